@@ -1,0 +1,45 @@
+# The two README commands, `make demo` and `make test`, install everything they need on a fresh
+# machine: a virtualenv under the repo, torch (the CPU build where no torch is installed),
+# megatron-core and the package in editable mode with its native extension built.
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# torch==2.13.0 is a CPU wheel on the CPU machines; an unpinned torch drags GBs of CUDA packages.
+TORCH_PIN ?= torch==2.13.0
+DEPS := "megatron-core==0.16.1" triton pybind11 numpy ninja pytest psutil
+NATIVE_SRC := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
+PYTEST_CPU := -m "not gpu and not multigpu"
+
+.PHONY: install demo test test-all test-gpu bench-attention clean
+
+$(STAMP): $(NATIVE_SRC)
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip setuptools wheel
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q $(TORCH_PIN)
+	$(VPY) -m pip install -q $(DEPS)
+	MAX_JOBS=$${MAX_JOBS:-2} $(VPY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VPY) -m megatron_sparsebalance.training.demo
+
+# The CPU suite (CI). pytest exits 5 when it collected no test: that is a failure here.
+test: install
+	$(VPY) -m pytest -q $(PYTEST_CPU) tests; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests"; exit 1; fi; exit $$rc
+
+# On the GPU machine (device image: system python3 with CUDA torch; megatron-core from carried
+# wheels on PYTHONPATH). Builds the extension in place with the CUDA kernels.
+test-gpu:
+	MSB_CUDA=1 MAX_JOBS=$${MAX_JOBS:-16} $(PYTHON) setup.py -q build_ext --inplace
+	$(PYTHON) -m pytest -q -m "gpu" tests
+
+bench-attention:
+	MSB_CUDA=1 MAX_JOBS=$${MAX_JOBS:-16} $(PYTHON) setup.py -q build_ext --inplace
+	$(PYTHON) -m benchmarks.attention
+
+clean:
+	rm -rf build $(VENV) megatron_sparsebalance/_C*.so *.egg-info

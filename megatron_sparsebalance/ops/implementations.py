@@ -1,0 +1,74 @@
+"""Registry of the sparse-attention implementations and the ``--sparse-attn-impl`` choice.
+
+Every implementation computes the same function (DESIGN.md §2) from a :class:`BlockRoute`:
+``fn(q [T, HQ, D], k [T, G, D], v [T, G, D], route, softmax_scale) -> [T, HQ, D]``,
+differentiable with respect to q, k and v.
+
+``auto`` takes the first available entry of :data:`AUTO_ORDER` (fastest first, as measured
+by ``benchmarks/attention.py``); an implementation asked for by name that cannot run is an
+error that says why, never a silent fallback.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable, Optional
+
+import torch
+
+from megatron_sparsebalance.ops import native
+
+IMPLEMENTATIONS = ("auto", "cuda", "triton", "torch")
+AUTO_ORDER = ("cuda", "triton", "torch")
+
+
+def unavailable_reason(impl: str, device: torch.device) -> Optional[str]:
+    """Why ``impl`` cannot run on ``device``, or None when it can."""
+    device = torch.device(device)
+    if impl == "torch":
+        return None
+    if impl == "cuda":
+        if device.type != "cuda":
+            return f"the CUDA kernels need a CUDA device, the tensors are on {device}"
+        if not native.HAVE_NATIVE:
+            return f"the native extension is not built ({native.NATIVE_IMPORT_ERROR})"
+        if not native.HAVE_NATIVE_CUDA:
+            return "the native extension was built without CUDA (rebuild with MSB_CUDA=1 where nvcc exists)"
+        return None
+    if impl == "triton":
+        if device.type != "cuda":
+            return f"the Triton kernels need a CUDA device, the tensors are on {device}"
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        if importlib.util.find_spec("megatron_sparsebalance.ops.triton_attention") is None:
+            return "this build has no Triton kernels"
+        return None
+    raise ValueError(f"--sparse-attn-impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+
+
+def resolve_impl(impl: str, device) -> str:
+    """The implementation that runs for the requested ``--sparse-attn-impl`` on ``device``."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"--sparse-attn-impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    if impl == "auto":
+        return next(name for name in AUTO_ORDER if unavailable_reason(name, device) is None)
+    reason = unavailable_reason(impl, device)
+    if reason is not None:
+        raise ValueError(f"--sparse-attn-impl={impl} is not available: {reason}")
+    return impl
+
+
+def attention_function(impl: str) -> Callable:
+    """The attention function of a resolved implementation name."""
+    if impl == "torch":
+        from megatron_sparsebalance.ops.naive import sparse_attention_naive
+
+        return sparse_attention_naive
+    if impl == "triton":
+        from megatron_sparsebalance.ops.triton_attention import block_sparse_attention
+
+        return block_sparse_attention
+    if impl == "cuda":
+        from megatron_sparsebalance.ops.cuda_attention import block_sparse_attention
+
+        return block_sparse_attention
+    raise ValueError(f"unknown resolved implementation {impl!r}")

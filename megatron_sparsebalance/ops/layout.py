@@ -1,0 +1,109 @@
+"""Block layout of a packed (THD) micro-batch.
+
+Owns the mapping between tokens, sequences and attention blocks. Every sparse-attention
+implementation (torch reference, Triton, CUDA) reads the same layout, so the rules of
+DESIGN.md §2 live here once: blocks are ``block_size`` tokens, never cross a sequence
+boundary, and the last block of a sequence may be partial.
+
+Shape legend: T tokens in the pack, N sequences, NB blocks in the pack (all sequences).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BLOCK_SIZES = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Blocks of a packed micro-batch.
+
+    Attributes:
+        cu_seqlens: ``[N+1]`` int32, token offsets of the sequences (``cu_seqlens[-1] == T``).
+        block_size: tokens per block (the last block of a sequence may be shorter).
+        cu_blocks: ``[N+1]`` int32, block offsets of the sequences.
+        block_start: ``[NB]`` int32, first token (index into T) of each block.
+        block_end: ``[NB]`` int32, one past the last token of each block.
+        block_seq: ``[NB]`` int64, sequence of each block.
+        block_pos: ``[NB]`` int64, index of each block inside its sequence.
+        token_block: ``[T]`` int64, block of each token.
+        num_blocks: NB.
+        max_blocks_per_seq: the largest number of blocks of one sequence.
+    """
+
+    cu_seqlens: torch.Tensor
+    block_size: int
+    cu_blocks: torch.Tensor
+    block_start: torch.Tensor
+    block_end: torch.Tensor
+    block_seq: torch.Tensor
+    block_pos: torch.Tensor
+    token_block: torch.Tensor
+    num_blocks: int
+    max_blocks_per_seq: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_block.numel()
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, block_size: int, num_tokens: int) -> "BlockLayout":
+        """Build the layout, validating ``cu_seqlens`` against the tensor it describes."""
+        validate_block_size(block_size)
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must be a 1-D integer tensor [num_seqs + 1]")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+        device = cu_seqlens.device
+        cu = cu_seqlens.to(torch.int64)
+        cu_host = cu.cpu()
+        if int(cu_host[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {int(cu_host[0])}")
+        if bool((cu_host[1:] < cu_host[:-1]).any()):
+            raise ValueError("cu_seqlens must be non-decreasing")
+        if int(cu_host[-1]) != num_tokens:
+            raise ValueError(
+                f"cu_seqlens[-1] = {int(cu_host[-1])} does not match the {num_tokens} tokens of the tensor"
+            )
+        seqlens = cu[1:] - cu[:-1]
+        blocks_per_seq = (seqlens + block_size - 1) // block_size
+        cu_blocks = torch.zeros_like(cu)
+        cu_blocks[1:] = torch.cumsum(blocks_per_seq, 0)
+        num_blocks = int(cu_blocks[-1])
+        block_seq = torch.repeat_interleave(torch.arange(seqlens.numel(), device=device), blocks_per_seq)
+        block_pos = torch.arange(num_blocks, device=device) - cu_blocks[block_seq]
+        block_start = cu[block_seq] + block_pos * block_size
+        block_end = torch.minimum(block_start + block_size, cu[block_seq + 1])
+        token_block = torch.repeat_interleave(
+            torch.arange(num_blocks, device=device), block_end - block_start, output_size=num_tokens
+        )
+        return cls(
+            cu_seqlens=cu.to(torch.int32),
+            block_size=block_size,
+            cu_blocks=cu_blocks.to(torch.int32),
+            block_start=block_start.to(torch.int32),
+            block_end=block_end.to(torch.int32),
+            block_seq=block_seq,
+            block_pos=block_pos,
+            token_block=token_block,
+            num_blocks=num_blocks,
+            max_blocks_per_seq=int(blocks_per_seq.max()) if blocks_per_seq.numel() else 0,
+        )
+
+
+def validate_block_size(block_size: int) -> None:
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(
+            f"block_size (--moba-block-size) must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size}"
+        )
+
+
+def uniform_cu_seqlens(batch: int, seq_len: int, device=None) -> torch.Tensor:
+    """``cu_seqlens`` of ``batch`` sequences of ``seq_len`` tokens (the sbhd case)."""
+    return torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)

@@ -1,0 +1,32 @@
+"""Loader of the native extension ``megatron_sparsebalance._C``.
+
+Importing it is optional for the package (the torch reference works without it), so the
+import error is kept and reported when something explicitly asks for native code.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch  # noqa: F401  (loads libc10 before the extension)
+
+try:
+    from megatron_sparsebalance import _C as _native
+
+    NATIVE_IMPORT_ERROR: Optional[str] = None
+except ImportError as exc:  # not built: `pip install -e .` or `make install` builds it
+    _native = None
+    NATIVE_IMPORT_ERROR = str(exc)
+
+HAVE_NATIVE = _native is not None
+HAVE_NATIVE_CUDA = HAVE_NATIVE and bool(getattr(_native, "with_cuda", False))
+
+
+def native() -> ModuleType:
+    """The extension module; a clear error if it was not built."""
+    if _native is None:
+        raise RuntimeError(
+            "megatron_sparsebalance._C is not built (run `make install` or `pip install -e .`): "
+            f"{NATIVE_IMPORT_ERROR}"
+        )
+    return _native

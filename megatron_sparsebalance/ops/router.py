@@ -1,0 +1,205 @@
+"""The MoBA router: block pooling, block scores, top-k selection, coverage.
+
+Owns the selection half of the sparse-attention contract (DESIGN.md §2); the attention
+kernels only consume its output, a :class:`BlockRoute`. Everything here is plain PyTorch and
+runs on any device; it is the oracle that the C++ index kernels and the GPU router are tested
+against.
+
+Shape legend: T tokens, HQ query heads, G KV-head groups, D head dim, NB blocks in the pack,
+K the largest budget of the pack.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_sparsebalance.ops.layout import BlockLayout
+
+
+@dataclass
+class BlockRoute:
+    """Which KV blocks every query block attends to, per KV-head group.
+
+    Attributes:
+        layout: the block layout of the pack.
+        kv_idx: ``[G, NB, K]`` int32, selected KV blocks (global block ids, ascending, the
+            diagonal block always included), padded with -1.
+        kv_cnt: ``[G, NB]`` int32, number of valid entries of ``kv_idx``.
+        budgets: ``[N]`` int64, the budget of every sequence.
+    """
+
+    layout: BlockLayout
+    kv_idx: torch.Tensor
+    kv_cnt: torch.Tensor
+    budgets: torch.Tensor
+    _transposed: Optional[tuple] = None
+
+    @property
+    def num_groups(self) -> int:
+        return self.kv_idx.shape[0]
+
+    def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-KV-block index for backward: ``(q_ptr [G*NB+1] int32, q_idx [nnz] int32)``.
+
+        Query blocks that selected KV block ``j`` of group ``g`` are
+        ``q_idx[q_ptr[g*NB + j] : q_ptr[g*NB + j + 1]]``, ascending.
+        """
+        if self._transposed is None:
+            self._transposed = transpose_route_index(self.kv_idx, self.kv_cnt)
+        return self._transposed
+
+    def kept_blocks(self) -> int:
+        """Number of (group, query block, KV block) triples computed: the sparse work."""
+        return int(self.kv_cnt.sum())
+
+
+def pool_blocks(x: torch.Tensor, layout: BlockLayout, num_groups: int) -> torch.Tensor:
+    """Mean of ``x`` over the tokens of each block and over the heads of each group.
+
+    Args:
+        x: ``[T, H, D]`` with ``H`` a multiple of ``num_groups`` (heads of a group contiguous).
+    Returns:
+        ``[NB, G, D]`` float32.
+    """
+    T, H, D = x.shape
+    sums = torch.zeros(layout.num_blocks, H, D, dtype=torch.float32, device=x.device)
+    sums.index_add_(0, layout.token_block, x.float())
+    counts = (layout.block_end - layout.block_start).to(torch.float32)
+    pooled = sums / counts[:, None, None]
+    return pooled.view(layout.num_blocks, num_groups, H // num_groups, D).mean(2)
+
+
+def candidate_mask(layout: BlockLayout) -> torch.Tensor:
+    """``[NB, NB]`` bool: block ``j`` is a routing candidate of query block ``i`` (earlier, same sequence)."""
+    same_seq = layout.block_seq[:, None] == layout.block_seq[None, :]
+    earlier = layout.block_pos[None, :] < layout.block_pos[:, None]
+    return same_seq & earlier
+
+
+def block_scores(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """Router scores ``s(i, j) = pooled_q(i, g) . pooled_k(j, g) / sqrt(D)``.
+
+    Args:
+        q: ``[T, HQ, D]``; k: ``[T, G, D]``.
+    Returns:
+        ``[G, NB, NB]`` float32; ``-inf`` where ``j`` is not a candidate of ``i``.
+    """
+    G = k.shape[1]
+    with torch.no_grad():
+        pq = pool_blocks(q, layout, G)
+        pk = pool_blocks(k, layout, G)
+        scores = torch.einsum("igd,jgd->gij", pq, pk) / math.sqrt(q.shape[-1])
+        return scores.masked_fill_(~candidate_mask(layout), float("-inf"))
+
+
+def validate_budgets(budgets: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    budgets = torch.as_tensor(budgets, dtype=torch.int64).reshape(-1)
+    if budgets.numel() == 1 and layout.num_seqs != 1:
+        budgets = budgets.expand(layout.num_seqs)
+    if budgets.numel() != layout.num_seqs:
+        raise ValueError(f"budgets has {budgets.numel()} entries for {layout.num_seqs} sequences")
+    if budgets.numel() and int(budgets.min()) < 1:
+        raise ValueError(f"budget (--moba-topk / DST budget) must be >= 1, got {int(budgets.min())}")
+    return budgets.to(layout.block_seq.device)
+
+
+def select_blocks(scores: torch.Tensor, layout: BlockLayout, budgets) -> BlockRoute:
+    """Top-(k-1) candidates by score plus the diagonal block, per (group, query block).
+
+    Ties in score go to the lower block index, so every implementation selects the same set.
+
+    Args:
+        scores: ``[G, NB, NB]`` from :func:`block_scores`.
+        budgets: ``[N]`` (or a scalar) budget per sequence, each >= 1.
+    """
+    budgets = validate_budgets(budgets, layout)
+    G, NB, _ = scores.shape
+    device = scores.device
+    kmax = int(budgets.max()) if budgets.numel() else 1
+    kmax = max(1, min(kmax, layout.max_blocks_per_seq))
+    blk_budget = budgets[layout.block_seq]  # [NB]
+    diag = torch.arange(NB, device=device).view(1, NB, 1).expand(G, NB, 1)
+    if kmax > 1:
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : kmax - 1]
+        top = scores.gather(-1, order)
+        rank = torch.arange(kmax - 1, device=device)
+        keep = (rank.view(1, 1, -1) < (blk_budget - 1).view(1, NB, 1)) & torch.isfinite(top)
+        chosen = torch.where(keep, order, torch.full_like(order, NB))  # NB sorts after every real id
+        kv = torch.sort(torch.cat([chosen, diag], -1), dim=-1).values
+        cnt = keep.sum(-1) + 1
+    else:
+        kv = diag.clone()
+        cnt = torch.ones(G, NB, dtype=torch.int64, device=device)
+    kv = torch.where(kv >= NB, torch.full_like(kv, -1), kv)
+    return BlockRoute(layout, kv.to(torch.int32).contiguous(), cnt.to(torch.int32).contiguous(), budgets)
+
+
+def transpose_route_index(kv_idx: torch.Tensor, kv_cnt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR of query blocks per (group, KV block); see :meth:`BlockRoute.transposed`."""
+    G, NB, K = kv_idx.shape
+    device = kv_idx.device
+    valid = kv_idx >= 0
+    g = torch.arange(G, device=device).view(G, 1, 1).expand(G, NB, K)
+    i = torch.arange(NB, device=device).view(1, NB, 1).expand(G, NB, K)
+    key = (g * NB + kv_idx.long())[valid]
+    qi = i[valid]
+    order = torch.argsort(key, stable=True)
+    q_ptr = torch.zeros(G * NB + 1, dtype=torch.int64, device=device)
+    q_ptr[1:] = torch.cumsum(torch.bincount(key, minlength=G * NB), 0)
+    return q_ptr.to(torch.int32), qi[order].to(torch.int32)
+
+
+def coverage_curve(scores: torch.Tensor, kmax: int) -> torch.Tensor:
+    """``C(k)`` for ``k = 1..kmax``: routing mass kept by a budget of ``k`` blocks.
+
+    For each (group, query block) with at least one candidate, the softmax of its scores over
+    its candidates; ``C(k)`` is the mass of the top-(k-1) candidates (the diagonal block is
+    always kept and is not a candidate), averaged over those (group, query block) pairs. Query
+    blocks without candidates (the first block of each sequence) carry no information and are
+    left out; a pack with none at all has ``C = 1``.
+
+    Returns:
+        ``[kmax]`` float32 on the device of ``scores``; non-decreasing, exactly 1 once ``k - 1``
+        covers every candidate of every query block.
+    """
+    if kmax < 1:
+        raise ValueError(f"kmax must be >= 1, got {kmax}")
+    G, NB, _ = scores.shape
+    finite = torch.isfinite(scores)
+    ncand = finite.sum(-1).reshape(-1)  # [G*NB]
+    rows = ncand > 0
+    if not bool(rows.any()):
+        return torch.ones(kmax, dtype=torch.float32, device=scores.device)
+    s = scores.reshape(G * NB, NB)[rows]
+    ncand = ncand[rows]
+    probs = torch.softmax(s, dim=-1)
+    width = max(1, min(kmax - 1, NB))
+    top = torch.topk(probs, width, dim=-1).values
+    cum = torch.cumsum(top, -1)
+    k = torch.arange(1, kmax + 1, device=scores.device)
+    take = torch.minimum((k - 1).view(1, -1), ncand.view(-1, 1))  # candidates kept, [rows, kmax]
+    got = cum.gather(-1, (take - 1).clamp(min=0, max=width - 1))
+    got = torch.where(take == 0, torch.zeros_like(got), got)
+    got = torch.where(take >= ncand.view(-1, 1), torch.ones_like(got), got)
+    return got.mean(0)
+
+
+def coverage_bounded_budget(curve: torch.Tensor, k_request: int, k_base: int, p: Optional[float]) -> int:
+    """The budget a layer uses when DST asks for ``k_request`` (DESIGN.md §4, step 4).
+
+    Growth (``k_request >= k_base``) is taken as asked. A shrink is taken unless it loses more
+    than ``p`` of coverage against ``k_base``; then the smallest ``k`` within ``p`` is used.
+    ``curve`` is :func:`coverage_curve` with at least ``k_base`` entries.
+    """
+    if p is None or k_request >= k_base:
+        return k_request
+    if curve.numel() < k_base:
+        raise ValueError(f"coverage curve has {curve.numel()} entries, needs k_base={k_base}")
+    loss = (curve[k_base - 1] - curve[:k_base]).cpu()  # coverage lost at k = 1..k_base
+    if float(loss[k_request - 1]) <= p:
+        return k_request
+    within = torch.nonzero(loss[k_request - 1 :] <= p + 1e-7).flatten()
+    return k_request + int(within[0])

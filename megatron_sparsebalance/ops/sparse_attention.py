@@ -1,0 +1,124 @@
+"""Public entry of the sparse attention: route a pack, then attend with one implementation.
+
+Routing and attention are separate steps because DST's coverage bound (DESIGN.md §4, step 4)
+sits between them: the budget a layer finally uses depends on the coverage curve of the
+scores, which the router computes.
+
+Shape legend: T tokens, HQ query heads, G KV-head groups, D head dim, N sequences.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_sparsebalance.ops import native
+from megatron_sparsebalance.ops.implementations import attention_function, resolve_impl
+from megatron_sparsebalance.ops.layout import BlockLayout
+from megatron_sparsebalance.ops.router import (
+    BlockRoute,
+    block_scores,
+    coverage_bounded_budget,
+    coverage_curve,
+    select_blocks,
+    validate_budgets,
+)
+
+
+@dataclass
+class RouteStats:
+    """What a layer did with the budget it was handed (reported to the schedule and SAB)."""
+
+    k_requested: int
+    k_used: int
+    coverage_used: float  # C(k_used)
+    coverage_base: Optional[float]  # C(k_base), when a k_base was given
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in tokens or head dim")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of KV heads / num_query_groups ({k.shape[1]})"
+        )
+
+
+def select(scores: torch.Tensor, layout: BlockLayout, budgets) -> BlockRoute:
+    """Selection through the native CPU kernel where it applies, else the torch router."""
+    if scores.device.type == "cpu" and native.HAVE_NATIVE:
+        budgets = validate_budgets(budgets, layout)
+        kmax = max(1, min(int(budgets.max()), layout.max_blocks_per_seq))
+        kv_idx, kv_cnt = native.native().select_blocks_cpu(scores, budgets[layout.block_seq], kmax)
+        return BlockRoute(layout, kv_idx, kv_cnt, budgets)
+    return select_blocks(scores, layout, budgets)
+
+
+def route(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    layout: BlockLayout,
+    budget: int,
+    k_base: Optional[int] = None,
+    p: Optional[float] = None,
+    track_coverage: bool = True,
+) -> tuple[BlockRoute, RouteStats]:
+    """Route a pack at ``budget`` (bounded by coverage ``p`` against ``k_base`` when shrinking).
+
+    Args:
+        q: ``[T, HQ, D]``; k: ``[T, G, D]``.
+        budget: blocks per query block asked for (DST's ``k_anchor``, or ``--moba-topk``).
+        k_base: the fixed budget DST shrinks from; with ``p`` it enables the coverage bound.
+        track_coverage: compute ``C(k)`` for the stats even when no bound applies.
+    """
+    if int(budget) < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    scores = block_scores(q, k, layout)
+    k_used = int(budget)
+    curve = None
+    bounded = p is not None and k_base is not None and k_used < k_base
+    if bounded or track_coverage:
+        curve = coverage_curve(scores, max(k_used, k_base or 1))
+    if bounded:
+        k_used = coverage_bounded_budget(curve, k_used, int(k_base), p)
+    stats = RouteStats(
+        k_requested=int(budget),
+        k_used=k_used,
+        coverage_used=float(curve[k_used - 1]) if curve is not None else float("nan"),
+        coverage_base=float(curve[k_base - 1]) if (curve is not None and k_base) else None,
+    )
+    return select(scores, layout, k_used), stats
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+    budget: int,
+    impl: str = "auto",
+    softmax_scale: Optional[float] = None,
+) -> torch.Tensor:
+    """MoBA block-sparse causal attention over a THD pack, in one call.
+
+    Args:
+        q: ``[T, HQ, D]``; k, v: ``[T, G, D]``; cu_seqlens: ``[N+1]`` int32.
+        block_size: 64, 128 or 256.
+        budget: KV blocks per query block, the diagonal included.
+        impl: ``auto``, ``cuda``, ``triton`` or ``torch``.
+    Returns:
+        ``[T, HQ, D]``.
+    """
+    check_qkv(q, k, v)
+    resolved = resolve_impl(impl, q.device)
+    layout = BlockLayout.from_cu_seqlens(cu_seqlens, block_size, q.shape[0])
+    blocks, _ = route(q, k, layout, budget, track_coverage=False)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return attention_function(resolved)(q, k, v, blocks, scale)
