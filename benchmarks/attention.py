@@ -1,0 +1,289 @@
+"""Block-sparse attention, forward+backward, side by side on one GPU.
+
+Ours (``cuda``, ``triton``) against PyTorch FlexAttention (compiled, given the SAME selection as a
+``BlockMask``: the selected earlier blocks as full blocks, the diagonal block as a causal partial
+block) and dense causal SDPA (cuDNN and FlashAttention-2 backends). Shapes of Qwen2.5-0.5B
+(14 query heads, 2 KV heads, head dim 64) and Qwen2.5-3B (16, 2, 128); one sequence of S tokens;
+block size 128; density = kept fraction of the causal block triangle, reached by choosing the
+MoBA budget k for each S and routing random-but-structured q/k with the MoBA router.
+
+Reported per case: median ms of fwd+bwd (CUDA events, after warm-up), useful TFLOP/s
+(4 * kept_blocks * B^2 * d * 3.5, kept blocks counted per query head; the dense rows count the
+whole causal block triangle) and the peak memory the fwd+bwd allocates beyond its inputs.
+
+Usage: ``python3 -m benchmarks.attention [--quick] [--tune] [--impls cuda,triton,flex,cudnn_dense,fa2_dense]``.
+Writes ``$OUT/attention_h200.json`` (or ``--out``) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from megatron_sparsebalance.ops.layout import BlockLayout
+from megatron_sparsebalance.ops.router import block_scores, select_blocks
+
+SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-3b": (16, 2, 128)}
+BLOCK = 128
+ALL_IMPLS = ("cuda", "triton", "flex", "cudnn_dense", "fa2_dense")
+
+
+def cuda_time(fn, iters: int = 10, warmup: int = 3) -> float:
+    """Median ms of ``fn`` over ``iters`` runs, each bracketed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def peak_extra_gib(fn) -> float:
+    """GiB allocated by one call of ``fn`` above what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def kept_fraction(nb: int, k: int) -> float:
+    """Kept fraction of the causal block triangle of ``nb`` blocks at budget ``k``."""
+    kept = sum(min(i + 1, k) for i in range(nb))
+    return kept / (nb * (nb + 1) / 2)
+
+
+def budget_for_density(nb: int, density: float) -> int:
+    return min(range(1, nb + 1), key=lambda k: abs(kept_fraction(nb, k) - density))
+
+
+def make_inputs(S, hq, g, d, gen):
+    """q/k/v of one sequence in THD ([S, H, D]) with per-block offsets (structured routing)."""
+    nb = S // BLOCK
+    tb = torch.arange(S, device="cuda") // BLOCK
+    q = torch.randn(S, hq, d, device="cuda", generator=gen) + 0.5 * torch.randn(nb, hq, d, device="cuda", generator=gen)[tb]
+    k = torch.randn(S, g, d, device="cuda", generator=gen) + 0.5 * torch.randn(nb, g, d, device="cuda", generator=gen)[tb]
+    v = torch.randn(S, g, d, device="cuda", generator=gen)
+    return [x.to(torch.bfloat16) for x in (q, k, v)]
+
+
+def flex_block_mask(route, hq, S):
+    """The route as a FlexAttention BlockMask: off-diagonal selections full, the diagonal partial."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kv_idx, kv_cnt = route.kv_idx, route.kv_cnt  # [G, NB, K], [G, NB]
+    G, NB, K = kv_idx.shape
+    R = hq // G
+    full_cnt = (kv_cnt - 1).clamp(min=0)
+    full_idx = torch.zeros(G, NB, NB, dtype=torch.int32, device="cuda")
+    slot = torch.arange(K, device="cuda").view(1, 1, K)
+    # Off-diagonal entries are the first kv_cnt-1 ones (ascending, diagonal last).
+    keep = slot < full_cnt.unsqueeze(-1)
+    full_idx[:, :, :K] = torch.where(keep, kv_idx, torch.zeros_like(kv_idx))
+    part_cnt = torch.ones(G, NB, dtype=torch.int32, device="cuda")
+    part_idx = torch.zeros(G, NB, NB, dtype=torch.int32, device="cuda")
+    part_idx[:, :, 0] = torch.arange(NB, dtype=torch.int32, device="cuda")
+
+    def per_head(x):
+        return x.repeat_interleave(R, 0).unsqueeze(0).contiguous()
+
+    return BlockMask.from_kv_blocks(
+        per_head(part_cnt), per_head(part_idx), per_head(full_cnt.to(torch.int32)), per_head(full_idx),
+        BLOCK_SIZE=BLOCK, mask_mod=lambda b, h, qi, ki: qi >= ki, seq_lengths=(S, S),
+    )
+
+
+def run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm):
+    """A closure doing one forward+backward of ``impl``."""
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d)
+    if impl in ("cuda", "triton"):
+        from megatron_sparsebalance.ops.implementations import attention_function
+
+        fn = attention_function(impl)
+
+        def step():
+            out = fn(q, k, v, route, scale)
+            torch.autograd.grad(out, (q, k, v), go)
+        return step
+    # Flex and SDPA take [1, H, S, D]; they get their own contiguous copies (layout not timed).
+    qh, kh, vh, goh = (x.detach().transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v, go))
+    for x in (qh, kh, vh):
+        x.requires_grad_()
+    if impl == "flex":
+        def step():
+            out = flex_fn(qh, kh, vh, block_mask=bm, enable_gqa=True, scale=scale)
+            torch.autograd.grad(out, (qh, kh, vh), goh)
+        return step
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.CUDNN_ATTENTION if impl == "cudnn_dense" else SDPBackend.FLASH_ATTENTION
+
+    def step():
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True, scale=scale)
+        torch.autograd.grad(out, (qh, kh, vh), goh)
+    return step
+
+
+def tune_triton(shape_names, S=32768, density=0.25):
+    """Coordinate search over the Triton tile configs (forward, dK/dV, dQ) at one shape each."""
+    from megatron_sparsebalance.ops import triton_attention as ta
+
+    cands = {
+        "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)],
+        "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 3)],
+        "dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2)],
+    }
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    report = {}
+    for name in shape_names:
+        hq, g, d = SHAPES[name]
+        q, k, v = make_inputs(S, hq, g, d, gen)
+        lay = BlockLayout.from_cu_seqlens(torch.tensor([0, S], dtype=torch.int32, device="cuda"), BLOCK, S)
+        route = select_blocks(block_scores(q, k, lay), lay, budget_for_density(S // BLOCK, density))
+        args = (route.kv_idx, route.kv_cnt, lay.block_start, lay.block_end, 1 / math.sqrt(d), BLOCK)
+        out, lse = ta._forward(q, k, v, *args)
+        go = torch.randn_like(q)
+        for kind in ("fwd", "dkdv", "dq"):
+            best = None
+            for cfg in cands[kind]:
+                ta.CONFIGS[(kind, d)] = cfg
+                try:
+                    if kind == "fwd":
+                        ms = cuda_time(lambda: ta._forward(q, k, v, *args), iters=5, warmup=2)
+                    else:
+                        ms = cuda_time(lambda: ta._backward(go, q, k, v, out, lse, *args), iters=5, warmup=2)
+                except Exception as e:  # a config may not fit in shared memory
+                    print(f"tune {name} {kind} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                print(f"tune {name} {kind} {cfg}: {ms:.3f} ms", flush=True)
+                if best is None or ms < best[0]:
+                    best = (ms, cfg)
+            ta.CONFIGS[(kind, d)] = best[1]
+            report[f"{kind}/{d}"] = best
+        del q, k, v, out, lse, go
+    print("tuned:", json.dumps({k: v[1] for k, v in report.items()}), flush=True)
+    return {k: list(v[1]) for k, v in report.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="S=8K and 32K, densities 10%% and 25%%")
+    ap.add_argument("--tune", action="store_true", help="sweep Triton tile configs first")
+    ap.add_argument("--impls", default=",".join(ALL_IMPLS))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths")
+    ap.add_argument("--densities", default=None)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/attention_h200.json)")
+    args = ap.parse_args(argv)
+    impls = [x for x in args.impls.split(",") if x]
+    shapes = [x for x in args.shapes.split(",") if x]
+    seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else ([8192, 32768] if args.quick else [8192, 32768, 65536])
+    dens = [float(x) for x in args.densities.split(",")] if args.densities else ([0.1, 0.25] if args.quick else [0.05, 0.1, 0.25, 0.5])
+
+    import triton
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), block_size=BLOCK, dtype="bfloat16")
+    tuned = tune_triton(shapes) if args.tune and "triton" in impls else None
+    if tuned:
+        meta["triton_configs"] = tuned
+    flex_fn = None
+    if "flex" in impls:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex_fn = torch.compile(flex_attention, dynamic=False)
+    rows, router_rows = [], []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name in shapes:
+        hq, g, d = SHAPES[name]
+        for S in seqs:
+            nb = S // BLOCK
+            q, k, v = make_inputs(S, hq, g, d, gen)
+            for x in (q, k, v):
+                x.requires_grad_()
+            go = torch.randn_like(q)
+            lay = BlockLayout.from_cu_seqlens(torch.tensor([0, S], dtype=torch.int32, device="cuda"), BLOCK, S)
+            cases = [("cudnn_dense", 1.0), ("fa2_dense", 1.0)] + [(i, x) for x in dens for i in ("cuda", "triton", "flex")]
+            for impl, density in cases:
+                if impl not in impls:
+                    continue
+                route = bm = None
+                kept_heads = hq * nb * (nb + 1) // 2
+                if density < 1.0:
+                    kk = budget_for_density(nb, density)
+                    with torch.no_grad():
+                        t0 = time.perf_counter()
+                        route = select_blocks(block_scores(q, k, lay), lay, kk)
+                    if impl == "cuda":  # router cost once per case (same for every impl)
+                        rms = cuda_time(lambda: select_blocks(block_scores(q, k, lay), lay, kk), iters=5, warmup=1)
+                        router_rows.append(dict(shape=name, seq=S, density=density, k=kk, router_ms=rms))
+                    kept_heads = route.kept_blocks() * (hq // g)
+                    if impl == "flex":
+                        bm = flex_block_mask(route, hq, S)
+                row = dict(impl=impl, shape=name, seq=S, density=density)
+                if density < 1.0:
+                    row.update(k=kk, kept_frac=kept_heads / (hq * nb * (nb + 1) / 2))
+                try:
+                    step = run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm)
+                    ms = cuda_time(step, iters=args.iters)
+                    mem = peak_extra_gib(step)
+                    flops = 4 * kept_heads * BLOCK * BLOCK * d * 3.5
+                    row.update(ms=ms, tflops=flops / ms / 1e9, peak_mem_gib=mem)
+                except Exception as e:  # keep going: a missing backend is a row, not a crash
+                    row.update(ms=None, tflops=None, peak_mem_gib=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del step
+            del q, k, v, go
+            torch.cuda.empty_cache()
+    result = dict(meta, rows=rows, router=router_rows)
+    out = args.out or (os.path.join(os.environ["OUT"], "attention_h200.json") if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    print_table(result)
+    return result
+
+
+def print_table(result):
+    rows = result["rows"]
+    print(f"\n{result['gpu']}  torch {result['torch']}  triton {result.get('triton')}  fwd+bwd, bf16, block {BLOCK}")
+    print(f"{'shape':14s} {'S':>6s} {'dens':>5s} | " + " | ".join(f"{i:>19s}" for i in ALL_IMPLS) + " | best/flex")
+    keys = sorted({(r["shape"], r["seq"]) for r in rows}, key=lambda x: (x[0], x[1]))
+    for shape, S in keys:
+        dense = {r["impl"]: r for r in rows if r["shape"] == shape and r["seq"] == S and r["density"] == 1.0}
+        for dens in sorted({r["density"] for r in rows if r["shape"] == shape and r["seq"] == S and r["density"] < 1.0}):
+            got = {r["impl"]: r for r in rows if r["shape"] == shape and r["seq"] == S and r["density"] == dens}
+            got.update(dense)
+            cells = []
+            for i in ALL_IMPLS:
+                r = got.get(i)
+                cells.append(f"{r['ms']:8.2f}ms {r['tflops']:5.0f}TF" if r and r.get("ms") else f"{'-':>19s}")
+            ours = [got[i]["ms"] for i in ("cuda", "triton") if i in got and got[i].get("ms")]
+            flex = got.get("flex", {}).get("ms")
+            ratio = f"{flex / min(ours):5.2f}x" if ours and flex else "  -"
+            print(f"{shape:14s} {S:6d} {dens:5.2f} | " + " | ".join(cells) + f" | {ratio}")
+    for r in result.get("router", []):
+        print(f"router {r['shape']} S={r['seq']} k={r['k']}: {r['router_ms']:.3f} ms")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

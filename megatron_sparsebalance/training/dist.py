@@ -1,0 +1,41 @@
+"""Process-group set-up shared by the demo, the tests and the pretrain entry point."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, backend: str = "auto") -> None:
+    """``init_process_group`` from torchrun's env (or a single local process) plus Megatron's groups.
+
+    ``backend='auto'`` is NCCL when CUDA is available, else gloo.
+    """
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

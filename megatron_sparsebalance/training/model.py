@@ -1,0 +1,97 @@
+"""Model presets and the builder of a megatron-core ``GPTModel`` with sparse core attention."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_sparsebalance.attention.config import SparseAttentionConfig
+from megatron_sparsebalance.attention.spec import get_gpt_layer_spec
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture flags of Megatron-LM (``--num-layers`` ...) for a Qwen2-style GPT."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    rotary_base: float = 1_000_000.0
+    norm_epsilon: float = 1e-6
+    add_qkv_bias: bool = True
+    untie_embeddings_and_output_weights: bool = False
+
+
+# Qwen2.5 shapes as published in their config.json files.
+MODEL_PRESETS = {
+    "tiny": ModelShape(2, 128, 256, 4, 2, 32, 512),
+    "qwen2.5-0.5b": ModelShape(24, 896, 4864, 14, 2, 64, 151936),
+    "qwen2.5-3b": ModelShape(36, 2048, 11008, 16, 2, 128, 151936, untie_embeddings_and_output_weights=True),
+}
+
+
+def transformer_config(
+    shape: ModelShape,
+    pipeline_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    bf16: bool = False,
+    num_layers: Optional[int] = None,
+) -> TransformerConfig:
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=num_layers or shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.add_qkv_bias,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        pipeline_model_parallel_size=pipeline_parallel_size,
+        tensor_model_parallel_size=tensor_parallel_size,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        init_method_std=0.02,
+    )
+
+
+def build_gpt_model(
+    shape: ModelShape,
+    sparse_config: SparseAttentionConfig,
+    config: TransformerConfig,
+    max_sequence_length: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+) -> GPTModel:
+    """A megatron-core GPTModel (local spec) whose core attention is :class:`SparseCoreAttention`."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_spec(sparse_config),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not shape.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=shape.rotary_base,
+    )
+
+
+def with_layers(shape: ModelShape, num_layers: int) -> ModelShape:
+    return replace(shape, num_layers=num_layers)

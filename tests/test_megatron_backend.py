@@ -1,0 +1,111 @@
+"""SparseCoreAttention in megatron-core: the core_attention contract, budgets, and a GPT that trains."""
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_sparsebalance.attention import SparseAttentionConfig, SparseCoreAttention, budget_scope, get_gpt_layer_spec
+from megatron_sparsebalance.data.synthetic import copy_task_batch
+from megatron_sparsebalance.ops.naive import dense_causal_attention
+from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
+from megatron_sparsebalance.training.dist import destroy_distributed, init_distributed
+from megatron_sparsebalance.training.model import MODEL_PRESETS, build_gpt_model, transformer_config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo_world_of_one():
+    enable_cpu_megatron()
+    init_distributed(backend="gloo")
+    yield
+    destroy_distributed()
+
+
+def core_attention(**sparse):
+    cfg = transformer_config(MODEL_PRESETS["tiny"])  # 4 heads, 2 groups, head dim 32
+    return SparseCoreAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                               sparse_config=SparseAttentionConfig(**{"sparse_attn_impl": "torch", **sparse}))
+
+
+def test_spec_puts_our_attention_in_the_core_attention_slot():
+    spec = get_gpt_layer_spec(SparseAttentionConfig(moba_topk=4))
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert core.module is SparseCoreAttention and core.params["sparse_config"].moba_topk == 4
+
+
+def test_sbhd_equals_thd_and_returns_megatron_shapes():
+    attn = core_attention(moba_block_size=64, moba_topk=2)
+    s, b = 200, 2
+    q, k, v = torch.randn(s, b, 4, 32), torch.randn(s, b, 2, 32), torch.randn(s, b, 2, 32)
+    out = attn(q, k, v, None)
+    assert out.shape == (s, b, 128)
+    thd = lambda x: x.transpose(0, 1).reshape(b * s, x.shape[2], 32)  # noqa: E731
+    cu = torch.tensor([0, s, 2 * s], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s, max_seqlen_kv=s)
+    out_thd = attn(thd(q), thd(k), thd(v), None, packed_seq_params=psp)
+    assert out_thd.shape == (b * s, 128)
+    assert torch.allclose(out_thd, out.transpose(0, 1).reshape(b * s, 128), atol=1e-6)
+
+
+def test_dense_mode_is_sdpa():
+    attn = core_attention(sparse_attention=False)
+    q, k, v = torch.randn(300, 4, 32), torch.randn(300, 2, 32), torch.randn(300, 2, 32)
+    cu = torch.tensor([0, 120, 300], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=180, max_seqlen_kv=180)
+    out = attn(q, k, v, None, packed_seq_params=psp)
+    assert torch.allclose(out, dense_causal_attention(q, k, v, cu, 32 ** -0.5).reshape(300, 128), atol=1e-6)
+
+
+def test_budget_scope_overrides_and_reports():
+    attn = core_attention(moba_block_size=64, moba_topk=6)
+    q, k, v = torch.randn(64 * 10, 1, 4, 32), torch.randn(64 * 10, 1, 2, 32), torch.randn(64 * 10, 1, 2, 32)
+    attn(q, k, v, None)
+    assert attn.last_stats.k_used == 6  # no scope: --moba-topk
+    with budget_scope(k=2) as report:
+        attn(q, k, v, None)
+    assert attn.last_stats.k_used == 2 and report.layers[0].stats.k_used == 2
+    with budget_scope(k=2, k_base=6, p=0.0) as report:  # no coverage may be lost: stays at k_base
+        attn(q, k, v, None)
+    assert report.layers[0].stats.k_used == 6
+    with budget_scope(k=2, k_base=6, p=1.0) as report:  # anything goes
+        attn(q, k, v, None)
+    st = report.layers[0].stats
+    assert st.k_used == 2 and st.coverage_used <= st.coverage_base
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(moba_block_size=100), "--moba-block-size"), (dict(moba_topk=0), "--moba-topk"),
+     (dict(sparse_attn_impl="fast"), "--sparse-attn-impl")],
+)
+def test_bad_config_names_the_flag(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        core_attention(**kwargs)
+
+
+def test_explicit_cuda_impl_on_cpu_is_an_error():
+    attn = SparseCoreAttention(transformer_config(MODEL_PRESETS["tiny"]), 1, AttnMaskType.causal,
+                               sparse_config=SparseAttentionConfig(sparse_attn_impl="cuda"))
+    with pytest.raises(ValueError, match="--sparse-attn-impl=cuda is not available"):
+        attn(torch.randn(128, 1, 4, 32), torch.randn(128, 1, 2, 32), torch.randn(128, 1, 2, 32), None)
+
+
+def test_gpt_with_sparse_attention_trains_on_cpu():
+    torch.manual_seed(0)
+    shape = MODEL_PRESETS["tiny"]
+    sparse = SparseAttentionConfig(moba_block_size=64, moba_topk=2, sparse_attn_impl="torch")
+    model = build_gpt_model(shape, sparse, transformer_config(shape), max_sequence_length=512)
+    batch = copy_task_batch([256, 192, 65], 32, torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):  # a tiny repeated batch: the loss must fall
+        with budget_scope() as report:
+            per_token = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                              packed_seq_params=batch.packed_seq_params())
+        loss = (per_token * batch.loss_mask).sum() / batch.loss_mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+        opt.step()
+        losses.append(loss.item())
+    assert len(report.layers) == shape.num_layers and report.mean_budget() == 2
+    assert losses[-1] < 0.8 * losses[0], losses
