@@ -4,6 +4,9 @@ Every implementation computes the same function (DESIGN.md §2) from a :class:`B
 ``fn(q [T, HQ, D], k [T, G, D], v [T, G, D], route, softmax_scale) -> [T, HQ, D]``,
 differentiable with respect to q, k and v.
 
+``torch`` is the block-gather path (``gather.py``, cost grows with the budget); the masked-dense
+``naive.py`` is the oracle of the tests and is not selectable.
+
 ``auto`` takes the first available entry of :data:`AUTO_ORDER` (fastest first, as measured
 by ``benchmarks/attention.py``); an implementation asked for by name that cannot run is an
 error that says why, never a silent fallback.
@@ -60,9 +63,9 @@ def resolve_impl(impl: str, device) -> str:
 def attention_function(impl: str) -> Callable:
     """The attention function of a resolved implementation name."""
     if impl == "torch":
-        from megatron_sparsebalance.ops.naive import sparse_attention_naive
+        from megatron_sparsebalance.ops.gather import sparse_attention_gather
 
-        return sparse_attention_naive
+        return sparse_attention_gather
     if impl == "triton":
         from megatron_sparsebalance.ops.triton_attention import block_sparse_attention
 
