@@ -1,0 +1,205 @@
+"""SparseBalance's 1F1B pipeline schedule (non-interleaved), driven by a plan.
+
+A drop-in for megatron-core's ``forward_backward_pipelining_without_interleaving``: same
+keyword-only signature, same ``forward_step_func`` / ``loss_func`` contract and loss
+normalization, plus ``plan``. The plan gives every micro-batch's packed lengths (hence the
+activation shapes: no shape exchange between stages) and the budget DST chose for it; the
+schedule opens a budget scope around each forward so every sparse attention layer uses that
+budget, measures every forward and backward, and leaves the iteration's figures in
+``plan.measured``. Device-agnostic: NCCL on GPUs, gloo on CPUs. See ``pipeline/README.md``.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Union
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+from megatron_sparsebalance.attention.budget import budget_scope
+from megatron_sparsebalance.pipeline.p2p import StageLinks
+from megatron_sparsebalance.pipeline.timeline import IterationMetrics, StageClock, StageRecord, gather_iteration_metrics
+
+
+@dataclass
+class MicroBatchPlan:
+    lengths: list
+    """Sequence lengths packed (THD) in this micro-batch."""
+    budget: Optional[int] = None
+    """DST's budget (None: every layer's --moba-topk)."""
+    predicted_ms: Optional[float] = None
+    """The latency model's forward+backward prediction for this stage."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.lengths))
+
+
+@dataclass
+class PipelinePlan:
+    """This DP rank's micro-batches in run order, and how DST bounds their budgets."""
+
+    micro_batches: list
+    hidden_size: int
+    k_base: Optional[int] = None
+    p: Optional[float] = None
+    measure: bool = True
+    measured: Optional[IterationMetrics] = field(default=None, repr=False)
+
+    def activation_shape(self, i: int, tp_size: int = 1, sequence_parallel: bool = False) -> tuple:
+        tokens = self.micro_batches[i].num_tokens
+        if sequence_parallel:
+            if tokens % tp_size:
+                raise ValueError(f"micro-batch {i} has {tokens} tokens, not divisible by TP={tp_size} (sequence parallel)")
+            tokens //= tp_size
+        return (tokens, 1, self.hidden_size)
+
+
+def _normalized_loss(outputs, config, num_microbatches):
+    """megatron-core's loss normalization of a ``loss_func`` result (schedules.forward_step)."""
+    if len(outputs) == 3:
+        loss, num_tokens, reduced = outputs
+        if not config.calculate_per_token_loss:
+            loss = loss / torch.clamp(num_tokens, min=1) / num_microbatches
+        return loss, num_tokens, reduced
+    loss, reduced = outputs
+    return loss / num_microbatches, torch.tensor(0, dtype=torch.int), reduced
+
+
+def forward_backward_sparsebalance(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Union[Iterator, list],
+    model: Union[torch.nn.Module, list],
+    num_microbatches: int,
+    seq_length: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+    plan: PipelinePlan,
+    **unused,
+) -> list:
+    """Run one global batch's micro-batches through this stage; returns the last stage's loss reports.
+
+    ``seq_length`` and ``micro_batch_size`` are accepted for signature compatibility and not
+    used: shapes come from ``plan``.
+    """
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError("the non-interleaved schedule takes one model chunk (virtual pipeline is not supported)")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    if len(plan.micro_batches) != num_microbatches:
+        raise ValueError(f"plan has {len(plan.micro_batches)} micro-batches, num_microbatches={num_microbatches}")
+    if collect_non_loss_data:
+        raise ValueError("collect_non_loss_data is not supported by the SparseBalance schedule")
+    config = get_model_config(model)
+    device = next(model.parameters()).device
+    links = StageLinks(config.pipeline_dtype, device)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    shape = lambda i: plan.activation_shape(i, tp, config.sequence_parallel)  # noqa: E731
+    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+    clock = StageClock(device)
+    budgets, coverage, losses = {}, {}, []
+    total_tokens = torch.zeros((), dtype=torch.int, device=device)
+
+    def run_forward(i: int, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        nonlocal total_tokens
+        set_input_tensor(input_tensor)
+        mb = plan.micro_batches[i]
+        clock.start(i, "F")
+        with budget_scope(k=mb.budget, k_base=plan.k_base if mb.budget is not None else None, p=plan.p) as report:
+            output, loss_func = forward_step_func(data_iterator, model)
+        if links.last:
+            output, num_tokens, reduced = _normalized_loss(loss_func(output), config, num_microbatches)
+            total_tokens = total_tokens + num_tokens.to(device)
+            losses.append(reduced)
+        clock.stop(i, "F")
+        if report.layers:
+            budgets[i] = report.mean_budget()
+            coverage[i] = report.mean_coverage()
+        return output
+
+    def run_backward(i, input_tensor, output_tensor, output_grad):
+        clock.start(i, "B")
+        if output_grad is None and config.grad_scale_func is not None:
+            output_tensor = config.grad_scale_func(output_tensor)
+        torch.autograd.backward(output_tensor, grad_tensors=output_grad)
+        clock.stop(i, "B")
+        return input_tensor.grad if input_tensor is not None else None
+
+    def recv_forward(i):
+        x = links.recv_forward(shape(i))
+        if x is not None:
+            x.requires_grad_(True)
+        return x
+
+    # Gradients are reduced across data-parallel ranks once per global batch: sync is held off
+    # until the last micro-batch's backward (as megatron-core's schedules do).
+    no_sync = config.no_sync_func if config.no_sync_func is not None else contextlib.nullcontext
+    sync_held = contextlib.ExitStack()
+    sync_held.enter_context(no_sync())
+
+    M = num_microbatches
+    pp, rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    warmup = M if forward_only else min(pp - rank - 1, M)
+    steady = M - warmup
+    inputs, outputs = [], []
+    f = b = 0
+    for _ in range(warmup):
+        x = recv_forward(f)
+        y = run_forward(f, x)
+        links.send_forward(y)
+        if not forward_only:
+            inputs.append(x)
+            outputs.append(y)
+        f += 1
+    x = recv_forward(f) if steady > 0 else None
+    for j in range(steady):
+        last_round = j == steady - 1
+        y = run_forward(f, x)
+        f += 1
+        if forward_only:
+            links.send_forward(y)
+            x = None if last_round else recv_forward(f)
+            continue
+        out_grad = links.send_forward_recv_backward(y, shape(b))
+        inputs.append(x)
+        outputs.append(y)
+        if b == M - 1:
+            sync_held.close()
+        g = run_backward(b, inputs.pop(0), outputs.pop(0), out_grad)
+        if last_round:
+            links.send_backward(g)
+            x = None
+        else:
+            x = links.send_backward_recv_forward(g, shape(f))
+            if x is not None:
+                x.requires_grad_(True)
+        b += 1
+    if not forward_only:
+        while b < M:
+            if b == M - 1:
+                sync_held.close()
+            out_grad = links.recv_backward(shape(b))
+            g = run_backward(b, inputs.pop(0), outputs.pop(0), out_grad)
+            links.send_backward(g)
+            b += 1
+    sync_held.close()
+
+    if not forward_only and config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
+
+    if plan.measure:
+        record = StageRecord(
+            pp_rank=rank, dp_rank=parallel_state.get_data_parallel_rank(), spans=clock.spans(),
+            budgets=budgets, coverage=coverage,
+            predicted_ms={i: mb.predicted_ms for i, mb in enumerate(plan.micro_batches)},
+        )
+        plan.measured = gather_iteration_metrics(record, M)
+    return losses

@@ -1,0 +1,95 @@
+"""Bodies of the multi-process pipeline tests (importable by spawned workers)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_sparsebalance.attention import SparseAttentionConfig
+from megatron_sparsebalance.data.synthetic import copy_task_batch
+from megatron_sparsebalance.pipeline.schedule import MicroBatchPlan, PipelinePlan, forward_backward_sparsebalance
+from megatron_sparsebalance.training.model import MODEL_PRESETS, build_gpt_model, transformer_config, with_layers
+
+NUM_LAYERS = 4
+# Untied: megatron-core syncs tied embeddings across first and last stage with a .cuda() copy.
+SHAPE = replace(with_layers(MODEL_PRESETS["tiny"], NUM_LAYERS), untie_embeddings_and_output_weights=True)
+SPARSE = SparseAttentionConfig(moba_block_size=64, moba_topk=2, sparse_attn_impl="torch")
+
+
+def micro_batches(lengths_per_mb, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [copy_task_batch(lengths, 64, gen) for lengths in lengths_per_mb]
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    out = model(batch.tokens, batch.position_ids, None, labels=batch.labels, packed_seq_params=batch.packed_seq_params())
+
+    def loss_func(per_token):
+        loss = (per_token.float() * batch.loss_mask).sum()
+        n = batch.loss_mask.sum().to(torch.int)
+        return loss, n, {"loss_sum": loss.detach().clone(), "tokens": n}
+
+    return out, loss_func
+
+
+def reference(weights_path, out_path, lengths_per_dp, seed):
+    """Single process, no pipeline: loss and gradients of every DP rank's micro-batches."""
+    torch.manual_seed(seed)
+    model = build_gpt_model(SHAPE, SPARSE, transformer_config(SHAPE), max_sequence_length=4096)
+    torch.save(model.state_dict(), weights_path)
+    results = []
+    for d, lengths in enumerate(lengths_per_dp):
+        model.zero_grad(set_to_none=True)
+        batches = micro_batches(lengths, seed + d)
+        total = 0.0
+        for batch in batches:
+            out, loss_func = forward_step(iter([batch]), model)
+            loss, n, _ = loss_func(out)
+            scaled = loss / n / len(batches)
+            scaled.backward()
+            total += float(scaled)
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        results.append({"loss": total, "grads": grads})
+    torch.save(results, out_path)
+
+
+def stage_key_to_full(key: str, pp_rank: int, pp: int) -> str:
+    """Name of a stage model's parameter in the full model (layers are numbered per stage)."""
+    if key.startswith("decoder.layers."):
+        _, _, idx, rest = key.split(".", 3)
+        return f"decoder.layers.{int(idx) + pp_rank * NUM_LAYERS // pp}.{rest}"
+    return key
+
+
+def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget):
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    cfg = transformer_config(SHAPE, pipeline_parallel_size=pp)
+    model = build_gpt_model(SHAPE, SPARSE, cfg, max_sequence_length=4096,
+                            pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage())
+    full = torch.load(weights_path)
+    model.load_state_dict({k: full[stage_key_to_full(k, rank, pp)] for k in model.state_dict()})
+    lengths = lengths_per_dp[dp_rank]
+    batches = micro_batches(lengths, seed + dp_rank)
+    plan = PipelinePlan([MicroBatchPlan(l, budget=budget) for l in lengths], hidden_size=SHAPE.hidden_size)
+    losses = forward_backward_sparsebalance(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=0, micro_batch_size=1, plan=plan,
+    )
+    ref = torch.load(ref_path)[dp_rank]
+    if parallel_state.is_pipeline_last_stage():
+        got = sum(float(r["loss_sum"]) / int(r["tokens"]) for r in losses) / len(batches)
+        assert abs(got - ref["loss"]) < 1e-5 * max(1.0, abs(ref["loss"])), (got, ref["loss"])
+    for name, p in model.named_parameters():
+        expect = ref["grads"][stage_key_to_full(name, rank, pp)]
+        assert torch.allclose(p.grad, expect, atol=1e-5, rtol=1e-4), (name, (p.grad - expect).abs().max())
+    m = plan.measured
+    assert m is not None and len(m.micro_batch_ms) == len(batches) * parallel_state.get_data_parallel_world_size()
+    assert all(t > 0 for t in m.micro_batch_ms) and m.imbalance >= 1.0
+    assert all(0.0 <= b < 1.0 for b in m.bubble) and len(m.bubble) == pp
+    if budget is not None:
+        assert all(abs(b - budget) < 1e-9 for b in m.budgets)
