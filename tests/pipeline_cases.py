@@ -9,6 +9,7 @@ from megatron.core import parallel_state
 from megatron_sparsebalance.attention import SparseAttentionConfig
 from megatron_sparsebalance.data.synthetic import copy_task_batch
 from megatron_sparsebalance.pipeline.schedule import MicroBatchPlan, PipelinePlan, forward_backward_sparsebalance
+from megatron_sparsebalance.training.step import gpt_forward_step as forward_step, mean_loss
 from megatron_sparsebalance.training.model import MODEL_PRESETS, build_gpt_model, transformer_config, with_layers
 
 NUM_LAYERS = 4
@@ -20,18 +21,6 @@ SPARSE = SparseAttentionConfig(moba_block_size=64, moba_topk=2, sparse_attn_impl
 def micro_batches(lengths_per_mb, seed):
     gen = torch.Generator().manual_seed(seed)
     return [copy_task_batch(lengths, 64, gen) for lengths in lengths_per_mb]
-
-
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    out = model(batch.tokens, batch.position_ids, None, labels=batch.labels, packed_seq_params=batch.packed_seq_params())
-
-    def loss_func(per_token):
-        loss = (per_token.float() * batch.loss_mask).sum()
-        n = batch.loss_mask.sum().to(torch.int)
-        return loss, n, {"loss_sum": loss.detach().clone(), "tokens": n}
-
-    return out, loss_func
 
 
 def reference(weights_path, out_path, lengths_per_dp, seed):
@@ -82,7 +71,7 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget):
     )
     ref = torch.load(ref_path)[dp_rank]
     if parallel_state.is_pipeline_last_stage():
-        got = sum(float(r["loss_sum"]) / int(r["tokens"]) for r in losses) / len(batches)
+        got = mean_loss(losses)
         assert abs(got - ref["loss"]) < 1e-5 * max(1.0, abs(ref["loss"])), (got, ref["loss"])
     for name, p in model.named_parameters():
         expect = ref["grads"][stage_key_to_full(name, rank, pp)]
@@ -93,3 +82,48 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget):
     assert all(0.0 <= b < 1.0 for b in m.bubble) and len(m.bubble) == pp
     if budget is not None:
         assert all(abs(b - budget) < 1e-9 for b in m.budgets)
+
+
+# --- the claim on CPU: DST (mean anchor) lowers measured imbalance against the fixed budget ---
+
+CLAIM_K_BASE = 16
+CLAIM_MICRO_BATCHES = [[3072], [640, 384], [896], [512, 256, 128]]  # one long straggler
+
+
+def profile_cpu_stage(path):
+    """Profile one middle stage (1 layer) of the claim's model on this CPU: the latency table."""
+    from tools.profile_latency import main as profile_main
+
+    profile_main(["--model", "tiny", "--layers-per-stage", "1", "--moba-block-size", "64", "--sparse-attn-impl", "torch",
+                  "--fp32", "--lengths", "128", "512", "1024", "2048", "3072", "--budgets", "1", "2", "4", "8", "16",
+                  "--warmup", "1", "--iters", "3", "--out", path])
+
+
+def dst_claim(table_path, out_path):
+    import json
+
+    from megatron_sparsebalance.balance.dst import DSTConfig
+    from megatron_sparsebalance.balance.latency import LatencyModel
+    from megatron_sparsebalance.training.step import pipeline_plans
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(0)
+    sparse = SparseAttentionConfig(moba_block_size=64, moba_topk=CLAIM_K_BASE, sparse_attn_impl="torch")
+    model = build_gpt_model(SHAPE, sparse, transformer_config(SHAPE, pipeline_parallel_size=pp), max_sequence_length=4096,
+                            pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage())
+    latency = LatencyModel.load(table_path)
+    results = {}
+    for anchor in ("none", "mean", "none", "mean"):  # interleaved, so drift in machine load hits both
+        dst = DSTConfig(anchor=anchor, p=None, k_base=CLAIM_K_BASE)
+        plan = pipeline_plans([CLAIM_MICRO_BATCHES], SHAPE.hidden_size, dst, latency)[0]
+        batches = micro_batches(CLAIM_MICRO_BATCHES, seed=3)
+        model.zero_grad(set_to_none=True)
+        forward_backward_sparsebalance(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+                                       num_microbatches=len(batches), plan=plan)
+        results.setdefault(anchor, []).append(dict(imbalance=plan.measured.imbalance, budgets=[m.budget for m in plan.micro_batches],
+                                                   micro_batch_ms=plan.measured.micro_batch_ms))
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)

@@ -1,0 +1,81 @@
+"""One global batch through the pipeline: the GPT forward step, stage models, DST plans.
+
+Shared by the pretrain loop, the benchmarks and the tests, so each builds a stage and a plan
+the same way.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_sparsebalance.balance.dst import DSTConfig, plan_budgets
+from megatron_sparsebalance.pipeline.schedule import MicroBatchPlan, PipelinePlan
+
+
+def gpt_forward_step(data_iterator, model):
+    """megatron-core's ``forward_step_func`` for packed GPT micro-batches (``PackedBatch``).
+
+    The loss function returns ``(sum of masked token losses, number of loss tokens, report)``,
+    so the schedule normalizes per token and per micro-batch as megatron-core does.
+    """
+    batch = next(data_iterator)
+    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                   packed_seq_params=batch.packed_seq_params())
+
+    def loss_func(per_token_loss):
+        mask = batch.loss_mask.to(per_token_loss.device)
+        loss = (per_token_loss.float() * mask).sum()
+        tokens = mask.sum().to(torch.int)
+        return loss, tokens, {"loss_sum": loss.detach().clone(), "tokens": tokens.detach().clone()}
+
+    return output, loss_func
+
+
+def mean_loss(reports: Sequence[dict]) -> float:
+    """Per-token loss averaged over micro-batches, as the schedule normalized it."""
+    return sum(float(r["loss_sum"]) / max(1, int(r["tokens"])) for r in reports) / max(1, len(reports))
+
+
+def pipeline_plans(
+    micro_batch_lengths: Sequence[Sequence[Sequence[int]]],
+    hidden_size: int,
+    dst: DSTConfig,
+    latency_model=None,
+) -> list[PipelinePlan]:
+    """Plans of every DP rank for one global batch (the same on every rank: no communication).
+
+    Args:
+        micro_batch_lengths: ``[dp_rank][micro_batch] -> sequence lengths``.
+        latency_model: needed unless ``dst.anchor == 'none'``; its predictions go into the plan.
+    """
+    flat = [mb for rank in micro_batch_lengths for mb in rank]
+    if dst.anchor == "none" and latency_model is None:
+        budgets, predicted = [dst.k_base] * len(flat), [None] * len(flat)
+    else:
+        if latency_model is None:
+            raise ValueError(f"--dst-anchor {dst.anchor} needs a latency model (--latency-table or the analytic model)")
+        decision = plan_budgets(flat, latency_model, dst)
+        budgets, predicted = decision.budgets, decision.predicted_ms
+    plans, i = [], 0
+    for rank in micro_batch_lengths:
+        mbs = []
+        for lengths in rank:
+            mbs.append(MicroBatchPlan(list(lengths), budget=budgets[i], predicted_ms=predicted[i]))
+            i += 1
+        plans.append(PipelinePlan(mbs, hidden_size=hidden_size, k_base=dst.k_base,
+                                  p=dst.p if dst.anchor != "none" else None))
+    return plans
+
+
+def stage_flags() -> dict:
+    """``pre_process`` / ``post_process`` of this rank's pipeline stage."""
+    return dict(pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage())
+
+
+def layers_per_stage(num_layers: int, pp: Optional[int] = None) -> int:
+    pp = pp or parallel_state.get_pipeline_model_parallel_world_size()
+    if num_layers % pp:
+        raise ValueError(f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
+    return num_layers // pp
