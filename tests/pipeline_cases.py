@@ -52,7 +52,7 @@ def stage_key_to_full(key: str, pp_rank: int, pp: int) -> str:
     return key
 
 
-def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget):
+def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget, ddp=False):
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     rank = parallel_state.get_pipeline_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -62,6 +62,13 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget):
                             post_process=parallel_state.is_pipeline_last_stage())
     full = torch.load(weights_path)
     model.load_state_dict({k: full[stage_key_to_full(k, rank, pp)] for k in model.state_dict()})
+    if ddp:  # megatron-core's DDP: grads in main_grad, reduced over DP once per global batch
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+        model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        cfg.no_sync_func = model.no_sync
+        cfg.finalize_model_grads_func = finalize_model_grads
+        model.zero_grad_buffer()
     lengths = lengths_per_dp[dp_rank]
     batches = micro_batches(lengths, seed + dp_rank)
     plan = PipelinePlan([MicroBatchPlan(l, budget=budget) for l in lengths], hidden_size=SHAPE.hidden_size)
@@ -69,13 +76,19 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget):
         forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
         num_microbatches=len(batches), seq_length=0, micro_batch_size=1, plan=plan,
     )
-    ref = torch.load(ref_path)[dp_rank]
+    refs = torch.load(ref_path)
+    ref = refs[dp_rank]
     if parallel_state.is_pipeline_last_stage():
         got = mean_loss(losses)
         assert abs(got - ref["loss"]) < 1e-5 * max(1.0, abs(ref["loss"])), (got, ref["loss"])
     for name, p in model.named_parameters():
-        expect = ref["grads"][stage_key_to_full(name, rank, pp)]
-        assert torch.allclose(p.grad, expect, atol=1e-5, rtol=1e-4), (name, (p.grad - expect).abs().max())
+        name = name.removeprefix("module.")
+        if ddp:  # the DP average of every rank's reference gradient
+            expect = sum(r["grads"][stage_key_to_full(name, rank, pp)] for r in refs) / len(refs)
+            grad = p.main_grad
+        else:
+            expect, grad = ref["grads"][stage_key_to_full(name, rank, pp)], p.grad
+        assert torch.allclose(grad, expect, atol=1e-5, rtol=1e-4), (name, (grad - expect).abs().max())
     m = plan.measured
     assert m is not None and len(m.micro_batch_ms) == len(batches) * parallel_state.get_data_parallel_world_size()
     assert all(t > 0 for t in m.micro_batch_ms) and m.imbalance >= 1.0

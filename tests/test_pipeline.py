@@ -7,11 +7,11 @@ from tests.distributed import run_workers
 VARIED = [[130, 64], [448], [64, 64, 200], [321]]  # four micro-batches of unequal packs
 
 
-def run_case(tmp_path, lengths_per_dp, pp, budget=2, seed=7):
+def run_case(tmp_path, lengths_per_dp, pp, budget=2, seed=7, ddp=False):
     weights, ref = str(tmp_path / "w.pt"), str(tmp_path / "ref.pt")
     run_workers(pipeline_cases.reference, world=1, args=(weights, ref, lengths_per_dp, seed))
     run_workers(pipeline_cases.pipelined, world=pp * len(lengths_per_dp), pp=pp,
-                args=(weights, ref, lengths_per_dp, seed, budget))
+                args=(weights, ref, lengths_per_dp, seed, budget, ddp))
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -19,8 +19,9 @@ def test_pipeline_equals_single_process(tmp_path, pp):
     run_case(tmp_path, [VARIED], pp)
 
 
-def test_dp2_pp2_equals_single_process(tmp_path):
-    run_case(tmp_path, [VARIED, [[200], [64, 64], [100, 28], [512]]], pp=2)
+@pytest.mark.parametrize("ddp", [False, True], ids=["no-ddp", "megatron-ddp"])
+def test_dp2_pp2_equals_single_process(tmp_path, ddp):
+    run_case(tmp_path, [VARIED, [[200], [64, 64], [100, 28], [512]]], pp=2, ddp=ddp)
 
 
 @pytest.mark.parametrize("lengths", [[[300]], [[64], [900], [65]], [[1500, 3], [64], [70], [2], [64, 64]]],
