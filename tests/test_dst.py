@@ -2,21 +2,25 @@
 import pytest
 import torch
 
-from megatron_sparsebalance.balance.dst import DSTConfig, align, plan_budgets
+from megatron_sparsebalance.balance.dst import DSTConfig, plan_budgets
+from megatron_sparsebalance.balance.latency import LatencyModel
 
 
-class LinearCost:
+class LinearCost(LatencyModel):
     """A latency model whose answers are easy to compute by hand: sum(L) * (1 + k/4) ms."""
 
-    def predict(self, lengths, k):
-        return sum(lengths) * (1 + k / 4)
+    def _dense_ms(self, total_tokens):
+        return total_tokens
+
+    def _attention_ms(self, length, k):
+        return length * k / 4
 
 
-MODEL = LinearCost()
+MODEL = LinearCost(candidates=range(1, 17))
 
 
-def plan(mbs, anchor, **kw):
-    return plan_budgets(mbs, MODEL, DSTConfig(anchor=anchor, k_base=4, **kw))
+def plan(mbs, anchor, model=MODEL, **kw):
+    return plan_budgets(mbs, model, DSTConfig(anchor=anchor, k_base=4, **kw))
 
 
 def test_none_is_the_fixed_budget():
@@ -55,27 +59,19 @@ def test_one_huge_straggler():
 
 
 def test_k_min_floor():
-    p = plan([[1], [6]], "mean", k_min=4)
+    p = plan([[1], [6]], "mean", model=LinearCost(candidates=range(1, 17), k_min=4))
     assert p.budgets[1] == 4  # already at k_min: cannot shrink further
-    assert plan([[1], [6]], "mean", k_min=2).budgets[1] == 2
+    assert plan([[1], [6]], "mean", model=LinearCost(candidates=range(1, 17), k_min=2)).budgets[1] == 2
 
 
 def test_candidates_restrict_choices():
-    p = plan([[1], [2], [6]], "mean", candidates=[2, 6, 10])
-    assert p.budgets == [10, 6, 1]  # k_base=4 joins the set; L=2: largest <= 8 is 6; L=6: k_min
+    p = plan([[1], [2], [6]], "mean", model=LinearCost(candidates=[1, 2, 4, 6, 10]))
+    assert p.budgets == [10, 6, 1]  # L=1: largest <= 20 is 10; L=2: largest <= 8 is 6; L=6: k_min
+    with pytest.raises(ValueError, match="--moba-topk=4 is not among"):
+        plan([[1]], "mean", model=LinearCost(candidates=[2, 6]))
 
 
-def test_align_is_largest_fitting_candidate():
-    cands = tuple(range(1, 17))
-    for L in (1, 2, 3):
-        for target in (1.0, 2.5, 4.0, 9.0):
-            k = align(MODEL, [L], target, cands, 1)
-            fitting = [c for c in cands if MODEL.predict([L], c) <= target]
-            assert k == (max(fitting) if fitting else 1)
-
-
-@pytest.mark.parametrize("kw, match", [(dict(anchor="avg"), "--dst-anchor"), (dict(p=1.5), "--dst-p"),
-                                       (dict(k_min=9), "--dst-k-min"), (dict(candidates=[0, 3]), "--dst-budgets")])
+@pytest.mark.parametrize("kw, match", [(dict(anchor="avg"), "--dst-anchor"), (dict(p=1.5), "--dst-p")])
 def test_bad_config_names_the_flag(kw, match):
     with pytest.raises(ValueError, match=match):
         plan([[1]], **{"anchor": "mean", **kw})

@@ -24,10 +24,6 @@ class DSTConfig:
     """--dst-p: largest coverage a layer may lose against k_base when shrinking (None: unbounded)."""
     k_base: int = 32
     """--moba-topk: the fixed budget of the baseline."""
-    candidates: Optional[Sequence[int]] = None
-    """--dst-budgets: the budgets DST may choose (default: 1..4*k_base); k_base is always one."""
-    k_min: int = 1
-    """--dst-k-min: the smallest budget DST gives a straggler."""
 
     def validate(self) -> "DSTConfig":
         if self.anchor not in ANCHORS:
@@ -36,15 +32,7 @@ class DSTConfig:
             raise ValueError(f"--dst-p must be in [0, 1], got {self.p}")
         if self.k_base < 1:
             raise ValueError(f"--moba-topk must be >= 1, got {self.k_base}")
-        if not 1 <= self.k_min <= self.k_base:
-            raise ValueError(f"--dst-k-min must be in [1, --moba-topk={self.k_base}], got {self.k_min}")
-        if self.candidates is not None and (not self.candidates or min(self.candidates) < 1):
-            raise ValueError(f"--dst-budgets must be positive integers, got {list(self.candidates)}")
         return self
-
-    def budget_candidates(self) -> tuple[int, ...]:
-        base = self.candidates if self.candidates is not None else range(1, 4 * self.k_base + 1)
-        return tuple(sorted({k for k in base if k >= self.k_min} | {self.k_base}))
 
 
 @dataclass
@@ -70,38 +58,26 @@ def _anchor(times: Sequence[float], anchor: str) -> float:
     return sum(times) / len(times)
 
 
-def align(model, lengths: Sequence[int], target_ms: float, candidates: Sequence[int], k_min: int) -> int:
-    """Largest candidate budget whose predicted time fits under ``target_ms`` (``k_min`` if none does).
-
-    Prediction is monotone in ``k``, so a binary search over the sorted candidates suffices.
-    """
-    lo, hi, best = 0, len(candidates) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if model.predict(lengths, candidates[mid]) <= target_ms:
-            best, lo = candidates[mid], mid + 1
-        else:
-            hi = mid - 1
-    return max(best, k_min) if best is not None else k_min
-
-
 def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfig) -> BudgetPlan:
     """Budgets of all micro-batches of a global batch (all DP ranks).
 
     Args:
         micro_batches: the sequence lengths packed in each micro-batch.
-        model: a latency model (``predict(lengths, k) -> ms``, docs/INTERFACES.md).
+        model: a latency model (docs/INTERFACES.md); its ``align`` picks from its budget
+            candidates, at least its ``k_min``. ``k_base`` must be one of the candidates, so
+            that a micro-batch at the anchor keeps its base budget.
     """
     config.validate()
+    if config.anchor != "none" and config.k_base not in model.candidates:
+        raise ValueError(f"--moba-topk={config.k_base} is not among the latency model's budget candidates {model.candidates}")
     if not micro_batches:
         raise ValueError("a global batch needs at least one micro-batch")
     base = [model.predict(mb, config.k_base) for mb in micro_batches]
     if config.anchor == "none":
         return BudgetPlan([config.k_base] * len(base), base, list(base), None, config.k_base, None)
     target = _anchor(base, config.anchor)
-    candidates = config.budget_candidates()
-    budgets = [align(model, mb, target, candidates, config.k_min) for mb in micro_batches]
+    budgets = [model.align(mb, target) for mb in micro_batches]
     predicted = [model.predict(mb, k) for mb, k in zip(micro_batches, budgets)]
-    notes = [f"micro-batch {i}: even k_min={config.k_min} is predicted above the anchor"
-             for i, (t, k) in enumerate(zip(predicted, budgets)) if k == config.k_min and t > target]
+    notes = [f"micro-batch {i}: even k_min={model.k_min} is predicted above the anchor"
+             for i, (t, k) in enumerate(zip(predicted, budgets)) if k == model.k_min and t > target]
     return BudgetPlan(budgets, base, predicted, target, config.k_base, config.p, notes)

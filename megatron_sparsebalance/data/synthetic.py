@@ -61,3 +61,46 @@ def copy_task_batch(lengths: list[int], vocab_size: int, generator: torch.Genera
         m[n // 2 :] = 1.0
         masks.append(m)
     return pack_sequences(seqs, masks)
+
+
+# The synthetic retrieval task (``--mock-content retrieval``). Token ids below RETRIEVAL_RESERVED
+# are markers; keys, values and the filler are drawn above them, so a marker never appears by chance.
+KEY_MARK, VALUE_MARK, QUERY_MARK, ANSWER_MARK = 1, 2, 3, 4
+RETRIEVAL_RESERVED = 5
+RETRIEVAL_KEY_TOKENS = 4
+RETRIEVAL_VALUE_TOKENS = 4
+_RECORD = 2 + RETRIEVAL_KEY_TOKENS + RETRIEVAL_VALUE_TOKENS
+# Two records (the plant and the question) and at least a few filler tokens between them.
+RETRIEVAL_MIN_LENGTH = 2 * _RECORD + 4
+
+
+def random_token_sample(length: int, vocab_size: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform random tokens in ``[1, vocab_size)``; every token is a loss target."""
+    tokens = torch.from_numpy(rng.integers(1, vocab_size, length, dtype="int64"))
+    return tokens, torch.ones(length)
+
+
+def retrieval_sample(length: int, vocab_size: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
+    """A key/value record planted in the first tenth, asked for at the very end.
+
+    Layout: ``filler .. KEY k1..k4 VALUE v1..v4 .. filler .. QUERY k1..k4 ANSWER v1..v4``. The
+    target mask (what ``pack_sequences`` turns into the loss mask) is 1 exactly on the answer
+    tokens ``v1..v4`` at the end: they are predictable only from the planted record, which sits
+    most of the sequence back, so the loss and the answer accuracy measure whether attention (the
+    sparse router included) reaches that far.
+    """
+    if length < RETRIEVAL_MIN_LENGTH:
+        raise ValueError(f"--seq-length must be >= {RETRIEVAL_MIN_LENGTH} for --mock-content retrieval, got a sample of {length}")
+    if vocab_size <= RETRIEVAL_RESERVED + 1:
+        raise ValueError(f"--mock-vocab-size must be > {RETRIEVAL_RESERVED + 1} for --mock-content retrieval, got {vocab_size}")
+    tokens = rng.integers(RETRIEVAL_RESERVED, vocab_size, length, dtype="int64")
+    key = rng.integers(RETRIEVAL_RESERVED, vocab_size, RETRIEVAL_KEY_TOKENS, dtype="int64")
+    value = rng.integers(RETRIEVAL_RESERVED, vocab_size, RETRIEVAL_VALUE_TOKENS, dtype="int64")
+    plant = [KEY_MARK, *key, VALUE_MARK, *value]
+    question = [QUERY_MARK, *key, ANSWER_MARK, *value]
+    start = int(rng.integers(0, max(1, length // 10 - _RECORD)))
+    tokens[start:start + _RECORD] = plant
+    tokens[length - _RECORD:] = question
+    mask = torch.zeros(length)
+    mask[length - RETRIEVAL_VALUE_TOKENS:] = 1.0
+    return torch.from_numpy(tokens), mask

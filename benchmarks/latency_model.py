@@ -1,0 +1,326 @@
+"""Accuracy of the latency model on held-out micro-batches (issue 4, DESIGN.md §3).
+
+1. Profile one pipeline stage over a (length, budget) grid with ``tools/profile_latency.py``'s
+   profiler (or load a table with ``--profile``).
+2. Draw held-out random micro-batches: single sequences and packs of 2-6 sequences, 1K-64K tokens
+   in all, random lengths (not on the grid) and random budgets (not only profiled ones).
+3. Predict each with four models and measure it on the same stage:
+   * ``profiled``: the table (no calibration);
+   * ``analytic``: FLOPs and bytes over the H200's nominal achieved rates (no profile, no calibration);
+   * ``length_only``: ``a + b * tokens`` fitted on the profile's grid points (what a length-based
+     balancer assumes);
+   * ``flop_only``: ``a + b * FLOPs`` fitted on the same points, FLOPs sparse-aware (the blocks
+     actually computed);
+   and, as extra rows, the profiled and analytic models with online calibration (each micro-batch is
+   predicted before its measurement is fed to ``observe``, as the schedule does).
+4. Report median and p90 of ``|measured - predicted| / measured`` and the cost of ``predict``;
+   write ``latency_model_<gpu>.json``, the held-out records and a PNG (table; predicted vs measured).
+
+Run (H200, Qwen2.5-0.5B, PP=4 -> 6 layers per stage):
+  python -m benchmarks.latency_model --model qwen2.5-0.5b --layers-per-stage 6 --out-dir "$OUT"
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from megatron_sparsebalance.balance.latency import (
+    AnalyticLatencyModel,
+    LatencyModel,
+    ProfiledLatencyModel,
+    device_name,
+)
+from megatron_sparsebalance.ops.implementations import IMPLEMENTATIONS, unavailable_reason
+from megatron_sparsebalance.training.model import MODEL_PRESETS
+
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    HAVE_MATPLOTLIB = True
+except ImportError:
+    HAVE_MATPLOTLIB = False
+
+
+def _load_profiler_tool():
+    """``tools/`` is scripts, not a package: load the profiler module from its file."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tools", "profile_latency.py")
+    spec = importlib.util.spec_from_file_location("profile_latency", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class AffineModel:
+    """``a + b * feature(lengths, k)``: the length-only and FLOP-only baselines."""
+
+    def __init__(self, feature, a: float, b: float):
+        self.feature, self.a, self.b = feature, a, b
+
+    @classmethod
+    def fit(cls, feature, samples):
+        """Least squares of the RELATIVE error (weights 1/t^2) over ``(lengths, k, ms)`` samples,
+        the metric it is judged by; ``a, b >= 0``."""
+        xs = [feature(lengths, k) for lengths, k, _ in samples]
+        ts = [t for _, _, t in samples]
+        w = [1.0 / (t * t) for t in ts]
+        sw = sum(w)
+        sx = sum(wi * x for wi, x in zip(w, xs))
+        st = sum(wi * t for wi, t in zip(w, ts))
+        sxx = sum(wi * x * x for wi, x in zip(w, xs))
+        sxt = sum(wi * x * t for wi, x, t in zip(w, xs, ts))
+        det = sw * sxx - sx * sx
+        if det <= 0:
+            return cls(feature, 0.0, st / max(sx, 1e-30))
+        b = (sw * sxt - sx * st) / det
+        a = (st - b * sx) / sw
+        if a < 0:  # through the origin
+            a, b = 0.0, sxt / sxx
+        return cls(feature, a, max(b, 0.0))
+
+    def predict(self, lengths, k) -> float:
+        return self.a + self.b * self.feature(lengths, k)
+
+
+def heldout_batches(rng: random.Random, n: int, min_tokens: int, max_tokens: int, kmax: int, block: int):
+    """``n`` random (lengths, k): 40% single sequences, 60% packs of 2-6; tokens log-uniform."""
+    out = []
+    for i in range(n):
+        total = int(round(math.exp(rng.uniform(math.log(min_tokens), math.log(max_tokens)))))
+        k = rng.randint(1, kmax)
+        if rng.random() < 0.4 or total < 2 * block:
+            out.append(([total], k))
+            continue
+        parts = rng.randint(2, 6)
+        weights = [rng.expovariate(1.0) for _ in range(parts)]
+        lengths = [max(block // 2, int(total * w / sum(weights))) for w in weights]
+        lengths[0] += max(0, total - sum(lengths))
+        out.append((lengths, k))
+    return out
+
+
+def check_impl(impl: str, device: torch.device) -> str | None:
+    """Why ``impl`` should not be profiled here (unavailable, or its output is wrong), else None."""
+    from megatron_sparsebalance.ops.sparse_attention import sparse_attention
+
+    reason = unavailable_reason(impl, device)
+    if reason is not None:
+        return reason
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        lens = [700, 1300]
+        T = sum(lens)
+        cu = torch.tensor([0, lens[0], T], dtype=torch.int32, device=device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        q, k, v = (torch.randn(T, h, 64, generator=g).to(device, dtype).requires_grad_() for h in (14, 2, 2))
+        outs = {}
+        for name in (impl, "torch"):
+            o = sparse_attention(q, k, v, cu, 128, 4, impl=name)
+            (dq,) = torch.autograd.grad(o.float().square().sum(), (q,))
+            outs[name] = (o.float(), dq.float())
+        for got, ref in zip(outs[impl], outs["torch"]):
+            err = (got - ref).abs().max().item()
+            if not math.isfinite(err) or err > 0.05 * ref.abs().max().item() + 1e-3:
+                return f"output differs from the torch reference (max error {err:.3g})"
+    except Exception as exc:  # a kernel that fails to compile or launch is not profiled
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def summarize(pred, meas) -> dict:
+    errs = sorted(abs(m - p) / m for p, m in zip(pred, meas))
+    p90 = errs[min(len(errs) - 1, int(math.ceil(0.9 * len(errs))) - 1)]
+    return {"median_rel_err": round(statistics.median(errs), 4), "p90_rel_err": round(p90, 4),
+            "max_rel_err": round(errs[-1], 4)}
+
+
+def predict_cost_us(model: LatencyModel, batches) -> tuple[float, float]:
+    """Mean µs per ``predict`` on a fresh copy of the model (cold: every length new) and again (warm)."""
+    fresh = LatencyModel.from_dict(model.to_dict())
+    fresh.predict([10**7], 1)  # the one-off extrapolation warnings are not a per-call cost
+    res = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for lengths, k in batches:
+            fresh.predict(lengths, k)
+        res.append((time.perf_counter() - t0) / len(batches) * 1e6)
+    return res[0], res[1]
+
+
+def plot(path, table: ProfiledLatencyModel, records, names):
+    if not HAVE_MATPLOTLIB:
+        print("matplotlib is not installed: no PNG")
+        return False
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 5))
+    for i, k in enumerate(table.budgets):
+        ax0.plot(table.lengths, [row[i] for row in table.total_ms], marker="o", ms=3, label=f"k={k}")
+    ax0.set_xscale("log", base=2)
+    ax0.set_yscale("log")
+    ax0.set_xlabel("sequence length (tokens)")
+    ax0.set_ylabel("stage forward+backward (ms)")
+    ax0.set_title("profiled table")
+    ax0.legend(fontsize=7, ncol=2)
+    meas = [r["measured_ms"] for r in records]
+    lo, hi = min(meas) * 0.8, max(meas) * 1.25
+    ax1.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    for name in names:
+        ax1.scatter(meas, [r["predicted_ms"][name] for r in records], s=9, label=name, alpha=0.7)
+    ax1.set_xscale("log")
+    ax1.set_yscale("log")
+    ax1.set_xlim(lo, hi)
+    ax1.set_ylim(lo, hi)
+    ax1.set_xlabel("measured (ms)")
+    ax1.set_ylabel("predicted (ms)")
+    ax1.set_title(f"held-out micro-batches ({len(records)})")
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="qwen2.5-0.5b")
+    p.add_argument("--layers-per-stage", type=int, default=6)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=4)
+    p.add_argument("--moba-block-size", type=int, default=128)
+    p.add_argument("--sparse-attn-impl", nargs="+", default=["cuda", "triton", "torch"],
+                   help="implementations to try in order: the first that is available and agrees with the "
+                        f"torch reference is profiled (choices: {IMPLEMENTATIONS})")
+    p.add_argument("--profile", default=None, help="load this table instead of profiling")
+    p.add_argument("--lengths", type=int, nargs="+",
+                   default=[1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152, 65536])
+    p.add_argument("--budgets", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32, 48, 64])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--heldout", type=int, default=80, help="held-out micro-batches to draw")
+    p.add_argument("--min-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=65536)
+    p.add_argument("--max-budget", type=int, default=64)
+    p.add_argument("--heldout-iters", type=int, default=3)
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="stop measuring held-out micro-batches after this many seconds of the whole run")
+    p.add_argument("--seed", type=int, default=20260)
+    p.add_argument("--tag", default=None, help="results file suffix (default: h200 on an H200, else the device)")
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    tool = _load_profiler_tool()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    impl, skipped = None, {}
+    for name in args.sparse_attn_impl:
+        reason = check_impl(name, device)
+        if reason is None:
+            impl = name
+            break
+        skipped[name] = reason
+        print(f"not profiling {name}: {reason}", flush=True)
+    if impl is None:
+        raise SystemExit(f"no usable attention implementation among {args.sparse_attn_impl}: {skipped}")
+    max_len = max(args.max_tokens, max(args.lengths))
+    profiler = tool.StageProfiler(args.model, args.layers_per_stage, block_size=args.moba_block_size,
+                                  impl=impl, max_length=max_len)
+    gpu = device_name() if device.type == "cuda" else "cpu"
+    tag = args.tag or ("h200" if "H200" in gpu else gpu.lower().replace(" ", "_"))
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(f"{args.model}, {args.layers_per_stage} layers per stage, block {args.moba_block_size}, attention {impl}, "
+          f"{profiler.dtype}, on {gpu}", flush=True)
+
+    if args.profile:
+        table = ProfiledLatencyModel.load(args.profile, expect=profiler.metadata(args.pipeline_model_parallel_size))
+        print(f"loaded {args.profile}")
+    else:
+        table = tool.profile(profiler, args.lengths, args.budgets, args.warmup, args.iters,
+                             pipeline_parallel_size=args.pipeline_model_parallel_size)
+        tool.save_profile(table, os.path.join(args.out_dir, f"latency_table_{tag}.json"))
+    t_profiled = time.perf_counter()
+
+    analytic = AnalyticLatencyModel(
+        profiler.shape, args.layers_per_stage, block_size=args.moba_block_size,
+        hardware="h200" if device.type == "cuda" else "cpu", dtype_bytes=2 if profiler.bf16 else 4,
+    )
+    grid = [([L], k, table.total_ms[j][i]) for j, L in enumerate(table.lengths) for i, k in enumerate(table.budgets)]
+    length_only = AffineModel.fit(lambda lengths, k: float(sum(lengths)), grid)
+    flop_only = AffineModel.fit(analytic.flops, grid)
+    profiled_cal = LatencyModel.from_dict(table.to_dict())
+    analytic_cal = LatencyModel.from_dict(analytic.to_dict())
+    models = {"profiled": table, "analytic": analytic, "length_only": length_only, "flop_only": flop_only}
+
+    rng = random.Random(args.seed)
+    batches = heldout_batches(rng, args.heldout, args.min_tokens, args.max_tokens, args.max_budget, args.moba_block_size)
+    records = []
+    for n, (lengths, k) in enumerate(batches, 1):
+        if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
+            print(f"time budget reached: {len(records)} of {len(batches)} held-out micro-batches measured")
+            break
+        pred = {name: m.predict(lengths, k) for name, m in models.items()}
+        pred["profiled_calibrated"] = profiled_cal.predict(lengths, k)
+        pred["analytic_calibrated"] = analytic_cal.predict(lengths, k)
+        ms = profiler.measure(lengths, k, warmup=1, iters=args.heldout_iters)
+        profiled_cal.observe(lengths, k, ms)
+        analytic_cal.observe(lengths, k, ms)
+        records.append({"lengths": lengths, "k": k, "measured_ms": ms, "predicted_ms": pred})
+        print(f"[{n:3d}/{len(batches)}] {len(lengths)} seq, {sum(lengths):6d} tokens, k={k:2d}: measured {ms:8.2f} ms, "
+              + ", ".join(f"{name} {v:8.2f}" for name, v in pred.items()), flush=True)
+
+    meas = [r["measured_ms"] for r in records]
+    names = list(models) + ["profiled_calibrated", "analytic_calibrated"]
+    summary = {name: summarize([r["predicted_ms"][name] for r in records], meas) for name in names}
+    single = [r for r in records if len(r["lengths"]) == 1]
+    packed = [r for r in records if len(r["lengths"]) > 1]
+    cold_us, warm_us = predict_cost_us(table, [(r["lengths"], r["k"]) for r in records])
+    result = {
+        "gpu": gpu,
+        "n_heldout": len(records),
+        "predict_us": round(cold_us, 2),
+        "predict_us_warm": round(warm_us, 2),
+        "models": summary,
+        "profiled_by_kind": {
+            "single": summarize([r["predicted_ms"]["profiled"] for r in single], [r["measured_ms"] for r in single]) if single else None,
+            "packed": summarize([r["predicted_ms"]["profiled"] for r in packed], [r["measured_ms"] for r in packed]) if packed else None,
+        },
+        "setup": {
+            "model": args.model, "layers_per_stage": args.layers_per_stage, "stage": "middle (no embedding, no output layer)",
+            "block_size": args.moba_block_size, "attention_impl": impl, "impl_skipped": skipped,
+            "dtype": str(profiler.dtype), "torch": torch.__version__,
+            "grid": {"lengths": table.lengths, "budgets": table.budgets, "warmup": args.warmup, "iters": args.iters},
+            "heldout": {"tokens": [args.min_tokens, args.max_tokens], "budgets": [1, args.max_budget],
+                        "iters": args.heldout_iters, "seed": args.seed},
+            "baselines": {"length_only": {"a_ms": length_only.a, "b_ms_per_token": length_only.b},
+                          "flop_only": {"a_ms": flop_only.a, "b_ms_per_flop": flop_only.b}},
+            "seconds": {"profile": round(t_profiled - t_start, 1), "total": round(time.perf_counter() - t_start, 1)},
+            "command": "python -m benchmarks.latency_model " + " ".join(argv if argv is not None else sys.argv[1:]),
+        },
+    }
+    with open(os.path.join(args.out_dir, f"latency_model_{tag}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    with open(os.path.join(args.out_dir, f"latency_model_{tag}_heldout.json"), "w") as f:
+        json.dump(records, f)
+    plot(os.path.join(args.out_dir, f"latency_model_{tag}.png"), table, records,
+         ["profiled", "analytic", "length_only", "flop_only"])
+    print(f"\n{gpu}: {len(records)} held-out micro-batches; predict {cold_us:.1f} us (cold), {warm_us:.1f} us (warm)")
+    print(f"{'model':22s} {'median':>8s} {'p90':>8s} {'max':>8s}")
+    for name, s in summary.items():
+        print(f"{name:22s} {s['median_rel_err']:8.2%} {s['p90_rel_err']:8.2%} {s['max_rel_err']:8.2%}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

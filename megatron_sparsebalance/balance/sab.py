@@ -1,0 +1,670 @@
+"""SAB, sparsity-aware batching: how one global batch is split over DP ranks and micro-batches.
+
+Owns DESIGN.md §5. Per global batch, from the samples' lengths alone (no communication, so every
+rank computes the same plan):
+
+1. **Weights.** A sample's weight is its predicted cost in a pack at the budget DST is expected to
+   give it: the :class:`SparsityEstimator` keeps, per length bin, an EMA of the budgets DST
+   actually used (starting at ``k_base``). The weight is the *marginal* cost of the sequence in a
+   pack, ``predict([L, L], k) - predict([L], k)``, so a micro-batch's predicted time is
+   ``overhead + sum(weights)`` exactly for the latency model's pack decomposition (one fixed cost
+   per pack, not one per sequence; see balance/latency.py). ``--batching lbb`` weighs by length,
+   ``none`` keeps arrival order.
+2. **Two-level partition.** The DP ranks first (balanced total weight, each rank with at least
+   as many samples as it has micro-batches and at most as many tokens as they can hold), then
+   each rank's samples into its fixed number of micro-batches (balanced weight, at most
+   ``--micro-batch-tokens`` tokens each). Both levels use :func:`balanced_partition`: LPT
+   (longest processing time first) followed by pairwise improvement (moves and swaps out of the
+   heaviest part). Samples never leave their global batch.
+3. **Pipeline order** of each rank's micro-batches (``--micro-batch-order``): see
+   :func:`pipeline_order`.
+
+The result is a :class:`BatchPlan`; :class:`SparsityAwareBatcher` holds the method, the latency
+model and the estimator, and its state (the estimator) is checkpointed with the sampler's.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+BATCHING_METHODS = ("sab", "lbb", "none")
+MICRO_BATCH_ORDERS = ("light-ends", "descending", "ascending", "as-planned")
+# Upper edges of the estimator's length bins (tokens): powers of two, because DST's budget choice
+# follows the attention cost, which changes shape with length on a log scale (quadratic while a
+# sequence has fewer blocks than k, linear after).
+DEFAULT_LENGTH_BINS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class PartitionError(ValueError):
+    """No partition satisfies the constraints (token cap, sample counts)."""
+
+
+# --------------------------------------------------------------------------------------------
+# The sparsity estimator
+
+
+class SparsityEstimator:
+    """Expected DST budget per sequence-length bin: an EMA of the budgets DST used.
+
+    ``update`` must be fed the same numbers on every rank (e.g. DST's per-micro-batch budgets,
+    identical by construction, or layer budgets after an all-reduce), otherwise the ranks'
+    estimates, and with them their plans, drift apart; :meth:`fingerprint` lets a run check.
+
+    Args:
+        k_base: the starting estimate of every bin (``--moba-topk``).
+        decay: weight of the old estimate in the EMA (``--sab-ema``); one EMA step per bin per
+            :meth:`update` call (one global batch), whatever the number of samples in the bin.
+        bins: upper edges of the length bins; lengths beyond the last edge share one more bin.
+    """
+
+    def __init__(self, k_base: int, decay: float = 0.8, bins: Sequence[int] = DEFAULT_LENGTH_BINS):
+        if k_base < 1:
+            raise ValueError(f"--moba-topk must be >= 1, got {k_base}")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"--sab-ema must be in [0, 1), got {decay}")
+        edges = tuple(int(b) for b in bins)
+        if not edges or any(b <= a for a, b in zip(edges, edges[1:])) or edges[0] < 1:
+            raise ValueError(f"--sab-length-bins must be strictly increasing positive lengths, got {list(bins)}")
+        self.k_base = int(k_base)
+        self.decay = float(decay)
+        self.edges = edges
+        self.values = [float(k_base)] * (len(edges) + 1)
+        self.counts = [0] * (len(edges) + 1)
+
+    def bin_of(self, length: int) -> int:
+        return bisect.bisect_left(self.edges, int(length))
+
+    def estimate(self, length: int) -> float:
+        return self.values[self.bin_of(length)]
+
+    def update(self, lengths: Sequence[int], budgets: Sequence[float]) -> None:
+        """One EMA step per bin from the budgets (one per sequence) DST used for ``lengths``."""
+        if len(lengths) != len(budgets):
+            raise ValueError(f"update needs one budget per length, got {len(lengths)} lengths and {len(budgets)} budgets")
+        sums: dict[int, float] = {}
+        counts: dict[int, int] = {}
+        for n, k in zip(lengths, budgets):
+            if not (k > 0 and math.isfinite(k)):
+                raise ValueError(f"budgets must be positive and finite, got {k}")
+            b = self.bin_of(n)
+            sums[b] = sums.get(b, 0.0) + float(k)
+            counts[b] = counts.get(b, 0) + 1
+        for b in sorted(sums):
+            self.values[b] = self.decay * self.values[b] + (1.0 - self.decay) * sums[b] / counts[b]
+            self.counts[b] += counts[b]
+
+    def update_from_plan(self, plan: "BatchPlan", budgets: Sequence[Sequence[float]]) -> None:
+        """``budgets[r][j]``: the budget micro-batch ``j`` of DP rank ``r`` ran with."""
+        lengths, ks = [], []
+        for r, rank in enumerate(plan.micro_batches):
+            if len(budgets[r]) != len(rank):
+                raise ValueError(f"rank {r}: {len(rank)} micro-batches but {len(budgets[r])} budgets")
+            for j, mb in enumerate(rank):
+                for i in mb:
+                    lengths.append(plan.length_of[i])
+                    ks.append(budgets[r][j])
+        self.update(lengths, ks)
+
+    def state_dict(self) -> dict:
+        return {"k_base": self.k_base, "decay": self.decay, "bins": list(self.edges),
+                "values": list(self.values), "counts": list(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if list(state["bins"]) != list(self.edges):
+            raise ValueError(f"--sab-length-bins {list(self.edges)} differ from the checkpoint's {list(state['bins'])}")
+        if len(state["values"]) != len(self.values):
+            raise ValueError("the checkpoint's estimator has a different number of bins")
+        self.values = [float(v) for v in state["values"]]
+        self.counts = [int(c) for c in state["counts"]]
+
+    def fingerprint(self) -> str:
+        return hashlib.sha1(json.dumps(self.state_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# The solver
+
+
+def balanced_partition(
+    weights: Sequence[float],
+    parts: int,
+    tokens: Optional[Sequence[int]] = None,
+    token_cap: Optional[float] = None,
+    min_count: int = 1,
+    max_count: Optional[int] = None,
+    improve: bool = True,
+    max_rounds: Optional[int] = None,
+    tolerance: float = 1e-3,
+) -> list[list[int]]:
+    """Split items ``0..n-1`` into ``parts`` lists minimising the largest total weight.
+
+    Constraints: each part's token total at most ``token_cap``, between ``min_count`` and
+    ``max_count`` items. LPT places items heaviest first, each into the lightest part that can
+    still take it (and, once the items left are just enough to fill the parts still below
+    ``min_count``, only into those). Then pairwise improvement (:func:`_improve`): the heaviest
+    part gives an item to another part, or swaps one of its items for a lighter one, choosing
+    each time the exchange that leaves the smaller maximum of the two parts; when it is stuck,
+    the lightest part takes weight from a heavier one to unblock it.
+
+    The improvement stops early once the heaviest part is within ``tolerance`` (relative) of
+    :func:`partition_lower_bound`: 0.1% is below the noise of any measured step time.
+
+    Deterministic: ties go to the lower item and part index. Returns each part's items, ascending.
+    Raises :class:`PartitionError` when LPT finds no part for an item.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    n = len(w)
+    t = np.zeros(n) if tokens is None else np.asarray(tokens, dtype=np.float64)
+    cap = math.inf if token_cap is None else float(token_cap)
+    max_count = n if max_count is None else int(max_count)
+    if parts < 1:
+        raise PartitionError(f"need at least one part, got {parts}")
+    if n < parts * min_count or n > parts * max_count:
+        raise PartitionError(f"{n} items cannot fill {parts} parts with {min_count}..{max_count} items each")
+    if len(t) != n:
+        raise PartitionError("one token count per item is needed")
+    if n and t.max() > cap:
+        raise PartitionError(f"an item of {int(t.max())} tokens exceeds the token cap {cap:g}")
+
+    assign, load, toks, count = _lpt(w, t, parts, cap, min_count, max_count)
+    if improve and parts > 1:
+        target = partition_lower_bound(w, parts)
+        _improve(w, t, cap, min_count, max_count, assign, load, toks, count, target * (1.0 + tolerance),
+                 max_rounds or 20 * n + 100)
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in range(n):
+        out[int(assign[i])].append(i)
+    return out
+
+
+def _lpt(w, t, parts, cap, min_count, max_count):
+    """LPT with constraints: a heap of (load, part); parts that cannot take the item are set
+    aside for that item only. Pure Python: a few hundred items and parts are too few for numpy's
+    per-call overhead to pay off."""
+    n = len(w)
+    wl, tl = w.tolist(), t.tolist()
+    load = [0.0] * parts
+    toks = [0.0] * parts
+    count = [0] * parts
+    assign = [0] * n
+    heap = [(0.0, b) for b in range(parts)]
+    need = parts * min_count  # items still owed to parts below min_count
+    order = sorted(range(n), key=lambda i: (-wl[i], i))  # heaviest first; ties by index
+    for step, i in enumerate(order):
+        restrict = n - step <= need
+        aside = []
+        while heap:
+            lb, b = heapq.heappop(heap)
+            if toks[b] + tl[i] <= cap and (not restrict or count[b] < min_count):
+                break
+            aside.append((lb, b))
+        else:
+            raise PartitionError(
+                f"no part can take an item of {int(tl[i])} tokens (token cap {cap:g}, parts' tokens "
+                f"{sorted(int(x) for x in toks)})")
+        if count[b] < min_count:
+            need -= 1
+        assign[i] = b
+        load[b] += wl[i]
+        toks[b] += tl[i]
+        count[b] += 1
+        if count[b] < max_count:  # a full part never comes back
+            heapq.heappush(heap, (load[b], b))
+        for entry in aside:
+            heapq.heappush(heap, entry)
+    return (np.asarray(assign, dtype=np.int64), np.asarray(load), np.asarray(toks),
+            np.asarray(count, dtype=np.int64))
+
+
+def _improve(w, t, cap, min_count, max_count, assign, load, toks, count, target, max_rounds) -> None:
+    """Pairwise improvement of an assignment, in place (see :func:`balanced_partition`).
+
+    Alternates two kinds of exchange (a move of one item, or a swap of two) between a pivot part
+    and any other part: the heaviest part sheds weight (the pair's new maximum must be below the
+    old one), and when it cannot, the lightest part takes weight from any heavier part (the
+    pair's new minimum must be above the old one), which frees room in the parts that blocked
+    the heaviest one. Every exchange narrows the two parts' spread, so the sum of squared part
+    weights strictly decreases and the loop ends; the light phase may run at most ``parts``
+    exchanges in a row without the heaviest part improving. Stops early once the heaviest part
+    reaches ``target``, a lower bound of any partition.
+    """
+    n, parts = len(w), len(load)
+    idx = np.arange(n)
+    eps = 1e-12 * max(float(load.max()), 1e-300)
+    light_streak = 0
+    for _ in range(max_rounds):
+        a = int(np.argmax(load))
+        if load[a] <= target:
+            return
+        best = _heavy_exchange(a, w, t, cap, min_count, max_count, assign, load, toks, count, idx, eps)
+        if best is None:
+            if light_streak >= parts:
+                return
+            best = _light_exchange(int(np.argmin(load)), w, t, cap, min_count, max_count, assign, load, toks, count, idx, eps)
+            if best is None:
+                return
+            light_streak += 1
+        else:
+            light_streak = 0
+        giver, x, receiver, y = best
+        load[giver] -= w[x]; load[receiver] += w[x]
+        toks[giver] -= t[x]; toks[receiver] += t[x]
+        assign[x] = receiver
+        if y is None:
+            count[giver] -= 1; count[receiver] += 1
+        else:
+            load[giver] += w[y]; load[receiver] -= w[y]
+            toks[giver] += t[y]; toks[receiver] -= t[y]
+            assign[y] = giver
+
+
+def _heavy_exchange(a, w, t, cap, min_count, max_count, assign, load, toks, count, idx, eps):
+    """The exchange out of part ``a`` leaving the lowest maximum of the pair, if below ``load[a]``:
+    ``(giver, item, receiver, item given back or None)``."""
+    top = load[a]
+    mine = idx[assign == a]
+    wa, ta = w[mine], t[mine]
+    best, best_score = None, top - eps
+    if count[a] > min_count:  # moves: an item of a into part c
+        score = np.maximum(top - wa[:, None], load[None, :] + wa[:, None])
+        valid = (toks[None, :] + ta[:, None] <= cap) & (count < max_count)[None, :]
+        valid[:, a] = False
+        score = np.where(valid, score, np.inf)
+        p = int(np.argmin(score))
+        if score.flat[p] < best_score:
+            best_score, best = score.flat[p], (a, mine[p // len(load)], p % len(load), None)
+    other = idx[assign != a]
+    if len(other):  # swaps: item x of a for a lighter item y of part c
+        wb, tb, cb = w[other], t[other], assign[other]
+        d = wa[:, None] - wb[None, :]
+        score = np.maximum(top - d, load[cb][None, :] + d)
+        valid = (d > 0) & (toks[cb][None, :] + ta[:, None] - tb[None, :] <= cap) & (toks[a] - ta[:, None] + tb[None, :] <= cap)
+        score = np.where(valid, score, np.inf)
+        p = int(np.argmin(score))
+        if score.flat[p] < best_score:
+            y = other[p % len(other)]
+            best_score, best = score.flat[p], (a, mine[p // len(other)], int(assign[y]), y)
+    return best
+
+
+def _light_exchange(e, w, t, cap, min_count, max_count, assign, load, toks, count, idx, eps):
+    """The exchange into part ``e`` leaving the highest minimum of the pair, if above ``load[e]``."""
+    low = load[e]
+    other = idx[assign != e]
+    if not len(other):
+        return None
+    wb, tb, cb = w[other], t[other], assign[other]
+    best, best_score = None, low + eps
+    if count[e] < max_count:  # moves: an item x of part c into e
+        score = np.minimum(low + wb, load[cb] - wb)
+        valid = (toks[e] + tb <= cap) & (count[cb] > min_count)
+        score = np.where(valid, score, -np.inf)
+        p = int(np.argmax(score))
+        if score[p] > best_score:
+            x = other[p]
+            best_score, best = score[p], (int(assign[x]), x, e, None)
+    mine = idx[assign == e]
+    if len(mine):  # swaps: item x of part c for a lighter item y of e
+        wa, ta = w[mine], t[mine]
+        d = wb[None, :] - wa[:, None]
+        score = np.minimum(low + d, load[cb][None, :] - d)
+        valid = (d > 0) & (toks[e] - ta[:, None] + tb[None, :] <= cap) & (toks[cb][None, :] - tb[None, :] + ta[:, None] <= cap)
+        score = np.where(valid, score, -np.inf)
+        p = int(np.argmax(score))
+        if score.flat[p] > best_score:
+            x = other[p % len(other)]
+            best_score, best = score.flat[p], (int(assign[x]), x, e, mine[p // len(other)])
+    return best
+
+
+def partition_lower_bound(weights: Sequence[float], parts: int) -> float:
+    """A lower bound on the heaviest part of any partition of ``weights`` into ``parts``.
+
+    The mean; the heaviest item; and for every ``q >= 1``, among the ``q*parts + 1`` heaviest items
+    some part holds ``q + 1`` (pigeonhole), so it weighs at least the ``q + 1`` lightest of them.
+    """
+    w = np.sort(np.asarray(weights, dtype=np.float64))[::-1]
+    if not len(w):
+        return 0.0
+    bound = max(float(w.sum()) / parts, float(w[0]))
+    q = np.arange(1, (len(w) - 1) // parts + 1)
+    if len(q):
+        c = np.concatenate([[0.0], np.cumsum(w)])
+        top = q * parts + 1
+        bound = max(bound, float((c[top] - c[top - q - 1]).max()))
+    return bound
+
+
+def contiguous_chunks(n: int, parts: int) -> list[list[int]]:
+    """``0..n-1`` in order, cut into ``parts`` runs whose sizes differ by at most one."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = base + (1 if p < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def pipeline_order(loads: Sequence[float], rule: str = "light-ends") -> list[int]:
+    """Execution order of one rank's micro-batches through the pipeline (indices into ``loads``).
+
+    ``light-ends`` (default): the lightest micro-batch first, the second lightest last, then
+    alternately inwards, so the heaviest run in the middle. In 1F1B with ``P`` stages the first
+    micro-batch's forward crosses ``P - 1`` stages before the last stage has any work (warm-up)
+    and the last micro-batch's backward crosses them again while earlier stages idle
+    (cool-down); those two are paid ``P - 1`` times, every other micro-batch overlaps with
+    others. benchmarks/batching.py simulates 1F1B with each rule (docs/BATCHING.md).
+    ``descending``/``ascending``: sorted by load; ``as-planned``: the solver's order.
+    """
+    if rule not in MICRO_BATCH_ORDERS:
+        raise ValueError(f"--micro-batch-order must be one of {MICRO_BATCH_ORDERS}, got {rule!r}")
+    m = len(loads)
+    asc = sorted(range(m), key=lambda j: (loads[j], j))
+    if rule == "as-planned":
+        return list(range(m))
+    if rule == "ascending":
+        return asc
+    if rule == "descending":
+        return asc[::-1]
+    order = [0] * m
+    lo, hi = 0, m - 1
+    for rank, j in enumerate(asc):
+        if rank % 2 == 0:
+            order[lo] = j
+            lo += 1
+        else:
+            order[hi] = j
+            hi -= 1
+    return order
+
+
+# --------------------------------------------------------------------------------------------
+# Plans
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The split of one global batch: identical on every rank.
+
+    ``micro_batches[r][j]`` holds the sample ids (as given to :meth:`SparsityAwareBatcher.plan`,
+    usually dataset indices) of micro-batch ``j`` of DP rank ``r``, in pipeline execution order;
+    ``loads[r][j]`` its predicted forward+backward ms on one stage at the estimated budgets
+    (``None`` without a latency model), ``tokens[r][j]`` its token count.
+    """
+
+    method: str
+    sample_ids: tuple
+    lengths: tuple
+    weights: tuple
+    """Per sample (arrival order): the weight the partition balanced (ms for sab, tokens for lbb)."""
+    micro_batches: tuple
+    loads: Optional[tuple]
+    tokens: tuple
+    k_estimates: Optional[tuple] = None
+    length_of: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_batches[0])
+
+    def micro_batch_lengths(self, rank: int, j: int) -> list[int]:
+        return [self.length_of[i] for i in self.micro_batches[rank][j]]
+
+    def all_micro_batch_lengths(self) -> list[list[int]]:
+        """Lengths of every micro-batch of the global batch, rank by rank (what DST plans over)."""
+        return [self.micro_batch_lengths(r, j) for r in range(self.dp_size) for j in range(self.num_micro_batches)]
+
+    def max_over_mean(self) -> float:
+        """Imbalance of the predicted micro-batch loads over all ranks (max / mean)."""
+        if self.loads is None:
+            raise ValueError("this plan was made without a latency model: no predicted loads")
+        flat = [x for rank in self.loads for x in rank]
+        return max(flat) / (sum(flat) / len(flat))
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "sample_ids": list(self.sample_ids),
+                "micro_batches": [[list(mb) for mb in rank] for rank in self.micro_batches],
+                "loads": None if self.loads is None else [list(r) for r in self.loads],
+                "tokens": [list(r) for r in self.tokens]}
+
+    def fingerprint(self) -> str:
+        """A short hash of the plan: ranks compare it to check they agree."""
+        return hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class BatchingConfig:
+    """The batching flags."""
+
+    batching: str = "sab"
+    """How a global batch is split: sab (balanced predicted latency at the estimated budgets),
+    lbb (balanced tokens, length-based batching) or none (arrival order, equal sample counts)."""
+
+    micro_batch_tokens: Optional[int] = None
+    """Most tokens one packed micro-batch may hold (activation memory); None: no cap. Must be at
+    least --seq-length so any sample fits."""
+
+    micro_batch_order: str = "light-ends"
+    """Order of a rank's micro-batches in the pipeline: light-ends, descending, ascending, as-planned."""
+
+    sab_ema: float = 0.8
+    """Weight of the old value in the EMA of DST's budgets per length bin."""
+
+    sab_length_bins: tuple = DEFAULT_LENGTH_BINS
+    """Upper edges (tokens) of the estimator's length bins."""
+
+    def validate(self, seq_length: Optional[int] = None) -> "BatchingConfig":
+        if self.batching not in BATCHING_METHODS:
+            raise ValueError(f"--batching must be one of {BATCHING_METHODS}, got {self.batching!r}")
+        if self.micro_batch_order not in MICRO_BATCH_ORDERS:
+            raise ValueError(f"--micro-batch-order must be one of {MICRO_BATCH_ORDERS}, got {self.micro_batch_order!r}")
+        if self.micro_batch_tokens is not None:
+            if self.micro_batch_tokens < 1:
+                raise ValueError(f"--micro-batch-tokens must be >= 1, got {self.micro_batch_tokens}")
+            if seq_length is not None and self.micro_batch_tokens < seq_length:
+                raise ValueError(
+                    f"--micro-batch-tokens ({self.micro_batch_tokens}) must be >= --seq-length ({seq_length}): "
+                    "a sample of --seq-length tokens has to fit in one micro-batch")
+        if not 0.0 <= self.sab_ema < 1.0:
+            raise ValueError(f"--sab-ema must be in [0, 1), got {self.sab_ema}")
+        return self
+
+
+class SparsityAwareBatcher:
+    """Plans global batches: weights, two-level partition, pipeline order.
+
+    Args:
+        method: ``sab``, ``lbb`` or ``none`` (``--batching``).
+        dp_size: data-parallel ranks.
+        num_micro_batches: micro-batches per rank and global batch (fixed by the run).
+        latency_model: ``predict(lengths, k) -> ms`` (docs/INTERFACES.md); required for ``sab``,
+            optional otherwise (then plans carry no predicted loads).
+        estimator: a :class:`SparsityEstimator`; required for ``sab`` unless ``k_base`` is given.
+        k_base: builds a fresh estimator (``--moba-topk``) when none is passed.
+        micro_batch_tokens: token cap per micro-batch (``--micro-batch-tokens``).
+        order: ``--micro-batch-order``.
+        levels: how the DP level is solved, ``grouped`` or ``nested`` (see :meth:`_two_level`).
+    """
+
+    def __init__(self, method: str, dp_size: int, num_micro_batches: int, latency_model=None,
+                 estimator: Optional[SparsityEstimator] = None, k_base: Optional[int] = None,
+                 micro_batch_tokens: Optional[int] = None, order: str = "light-ends", levels: str = "grouped"):
+        if levels not in ("grouped", "nested"):
+            raise ValueError(f"levels must be 'grouped' or 'nested', got {levels!r}")
+        BatchingConfig(batching=method, micro_batch_tokens=micro_batch_tokens, micro_batch_order=order).validate()
+        if dp_size < 1:
+            raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
+        if num_micro_batches < 1:
+            raise ValueError(f"micro-batches per rank must be >= 1, got {num_micro_batches}")
+        if method == "sab" and latency_model is None:
+            raise ValueError("--batching sab needs a latency model (--latency-table, or the analytic model)")
+        if estimator is None and k_base is not None:
+            estimator = SparsityEstimator(k_base)
+        if method == "sab" and estimator is None:
+            raise ValueError("--batching sab needs a sparsity estimator (or k_base, --moba-topk)")
+        self.method = method
+        self.dp_size = int(dp_size)
+        self.num_micro_batches = int(num_micro_batches)
+        self.model = latency_model
+        self.estimator = estimator
+        self.token_cap = micro_batch_tokens
+        self.order = order
+        self.levels = levels
+        self._cache: dict = {}
+        self.last_solver_ms = 0.0
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def _marginal(self, length: int, k: int) -> float:
+        key = (length, k)
+        v = self._cache.get(key)
+        if v is None:
+            v = self.model.predict([length, length], k) - self.model.predict([length], k)
+            if len(self._cache) >= 1 << 17:
+                self._cache.clear()
+            self._cache[key] = v
+        return v
+
+    def sample_cost(self, length: int, k: float) -> float:
+        """Marginal predicted ms of one sequence in a pack at (possibly fractional) budget ``k``:
+        linear between the two integer budgets around ``k`` (estimates are EMAs, not integers)."""
+        lo = max(1, math.floor(k))
+        c = self._marginal(int(length), lo)
+        frac = k - lo
+        if frac > 1e-9:
+            c += frac * (self._marginal(int(length), lo + 1) - c)
+        return c
+
+    def pack_overhead(self) -> float:
+        """The fixed predicted ms of a pack (paid once per micro-batch, whatever it holds)."""
+        k = self.estimator.k_base if self.estimator is not None else 1
+        probe = 128
+        return max(0.0, 2.0 * self.model.predict([probe], k) - self.model.predict([probe, probe], k))
+
+    def k_estimates(self, lengths: Sequence[int]) -> Optional[list[float]]:
+        if self.estimator is None:
+            return None
+        return [self.estimator.estimate(n) for n in lengths]
+
+    # ---- planning ---------------------------------------------------------------------------
+
+    def plan(self, lengths: Sequence[int], sample_ids: Optional[Sequence[int]] = None) -> BatchPlan:
+        """The plan of one global batch whose samples (in arrival order) have ``lengths``."""
+        import time
+
+        lengths = [int(n) for n in lengths]
+        n = len(lengths)
+        ids = list(range(n)) if sample_ids is None else [int(i) for i in sample_ids]
+        if len(ids) != n or len(set(ids)) != n:
+            raise ValueError("sample_ids must be distinct, one per length")
+        dp, m = self.dp_size, self.num_micro_batches
+        if n < dp * m:
+            raise ValueError(
+                f"--global-batch-size ({n} samples) must be >= data-parallel size x micro-batches per rank "
+                f"({dp} x {m}): every micro-batch needs a sample")
+        if min(lengths) < 1:
+            raise ValueError("sample lengths must be >= 1")
+        cap = self.token_cap
+        if cap is not None and max(lengths) > cap:
+            raise ValueError(
+                f"a sample of {max(lengths)} tokens exceeds --micro-batch-tokens {cap}; raise it to at least "
+                "--seq-length, or lower --seq-length")
+
+        ks = self.k_estimates(lengths)
+        cost = None
+        if self.model is not None:
+            k_for = ks if ks is not None else [1] * n
+            cost = [self.sample_cost(L, k) for L, k in zip(lengths, k_for)]
+        weights = cost if self.method == "sab" else [float(L) for L in lengths]
+
+        t0 = time.perf_counter()
+        if self.method == "none":
+            ranks = []
+            for chunk in contiguous_chunks(n, dp):
+                rank = [[chunk[i] for i in mb] for mb in contiguous_chunks(len(chunk), m)]
+                ranks.append(rank)
+            if cap is not None:
+                for rank in ranks:
+                    for mb in rank:
+                        if sum(lengths[i] for i in mb) > cap:
+                            raise ValueError(
+                                f"--batching none packs samples in arrival order and a micro-batch reaches "
+                                f"{sum(lengths[i] for i in mb)} tokens, over --micro-batch-tokens {cap}; use "
+                                "--batching sab or lbb, or raise --micro-batch-tokens")
+        else:
+            ranks = self._two_level(weights, lengths)
+        self.last_solver_ms = (time.perf_counter() - t0) * 1e3
+
+        overhead = self.pack_overhead() if cost is not None else 0.0
+        micro, loads, tokens = [], [], []
+        for rank in ranks:
+            rank_loads = [overhead + sum(cost[i] for i in mb) for mb in rank] if cost is not None else None
+            key = rank_loads if rank_loads is not None else [float(sum(lengths[i] for i in mb)) for mb in rank]
+            order = pipeline_order(key, self.order)
+            micro.append(tuple(tuple(ids[i] for i in rank[j]) for j in order))
+            tokens.append(tuple(sum(lengths[i] for i in rank[j]) for j in order))
+            if rank_loads is not None:
+                loads.append(tuple(rank_loads[j] for j in order))
+        return BatchPlan(
+            method=self.method, sample_ids=tuple(ids), lengths=tuple(lengths), weights=tuple(weights),
+            micro_batches=tuple(micro), loads=tuple(loads) if cost is not None else None, tokens=tuple(tokens),
+            k_estimates=None if ks is None else tuple(ks), length_of=dict(zip(ids, lengths)),
+        )
+
+    def _two_level(self, weights: list[float], lengths: list[int]) -> list[list[list[int]]]:
+        """DP ranks first, then each rank's micro-batches (positions in the global batch).
+
+        ``levels="grouped"`` (default) decides the DP split at micro-batch granularity: it
+        partitions the whole global batch into ``dp x m`` balanced micro-batches, then gives each
+        rank exactly ``m`` of them so that the ranks' totals balance (the same solver, with
+        micro-batches as items). ``levels="nested"`` splits samples over ranks first and then
+        each rank alone. Nested can be stuck with a rank whose samples cannot be cut into ``m``
+        even parts (too many long samples and too few short ones to fill around them) while
+        the global batch could; grouped never is: any balanced set of micro-batches yields
+        balanced ranks. docs/BATCHING.md compares the two.
+
+        Raises a ValueError naming the flags when the token cap cannot be met.
+        """
+        dp, m, cap = self.dp_size, self.num_micro_batches, self.token_cap
+        try:
+            if self.levels == "nested":
+                rank_items = balanced_partition(weights, dp, lengths, None if cap is None else cap * m, min_count=m)
+                ranks = []
+                for items in rank_items:
+                    parts = balanced_partition([weights[i] for i in items], m, [lengths[i] for i in items], cap)
+                    ranks.append([[items[i] for i in part] for part in parts])
+                return ranks
+            micro = balanced_partition(weights, dp * m, lengths, cap)
+            if dp == 1:
+                return [micro]
+            totals = [sum(weights[i] for i in mb) for mb in micro]
+            groups = balanced_partition(totals, dp, min_count=m, max_count=m)
+            return [[micro[j] for j in group] for group in groups]
+        except PartitionError as e:
+            raise ValueError(
+                f"cannot pack the global batch into {dp} x {m} micro-batches of at most --micro-batch-tokens "
+                f"{cap} tokens ({e}); raise --micro-batch-tokens or the number of micro-batches") from None
+
+    def update(self, plan: BatchPlan, budgets: Sequence[Sequence[float]]) -> None:
+        """Feed DST's budgets of a planned global batch to the estimator (``budgets[r][j]``)."""
+        if self.estimator is not None:
+            self.estimator.update_from_plan(plan, budgets)
+
+    def state_dict(self) -> dict:
+        return {"method": self.method, "estimator": None if self.estimator is None else self.estimator.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("estimator") is not None and self.estimator is not None:
+            self.estimator.load_state_dict(state["estimator"])

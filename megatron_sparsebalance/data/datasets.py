@@ -1,0 +1,312 @@
+"""The data sets a run reads samples from, and the packing of planned micro-batches.
+
+Every data set here is a sequence of variable-length samples with their lengths known up front
+(``.lengths``, already capped by ``--seq-length``), because SAB plans a global batch from lengths
+alone, before any token is read. Three sources:
+
+- :class:`MockDataset` (``--mock-data``): lengths from a named distribution
+  (:mod:`.distributions`), content random tokens or the synthetic retrieval task;
+- :class:`JsonlDataset` (``--data-path x.jsonl``): records with a ``text`` field or chat
+  ``messages``, tokenized with a Hugging Face tokenizer from a local path (``--tokenizer-model``);
+  for chats only assistant turns are loss targets;
+- :class:`IndexedTokenDataset` (``--data-path prefix`` of Megatron's ``.bin``/``.idx``), read with
+  megatron-core's ``IndexedDataset``; one sample per stored sequence.
+
+A :class:`Sample` carries ``target_mask``: 1 on the tokens whose prediction counts.
+:func:`pack_micro_batch` turns a planned micro-batch into the THD :class:`PackedBatch`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from megatron_sparsebalance.data.distributions import DISTRIBUTIONS, check_distribution, sample_lengths
+from megatron_sparsebalance.data.synthetic import (
+    RETRIEVAL_MIN_LENGTH,
+    PackedBatch,
+    pack_sequences,
+    random_token_sample,
+    retrieval_sample,
+)
+
+OVERLONG_MODES = ("truncate", "error")
+MOCK_CONTENTS = ("random", "retrieval")
+# One token to read and one to predict: the shortest sample that has a loss target.
+MIN_SAMPLE_LENGTH = 2
+
+
+@dataclass
+class Sample:
+    tokens: torch.Tensor
+    """``[n]`` int64 token ids."""
+    target_mask: torch.Tensor
+    """``[n]`` float: 1 where predicting this token counts in the loss (and in accuracy)."""
+
+
+def check_overlong(mode: str) -> str:
+    if mode not in OVERLONG_MODES:
+        raise ValueError(f"--overlong-samples must be one of {OVERLONG_MODES}, got {mode!r}")
+    return mode
+
+
+def cap_length(length: int, seq_length: int, overlong: str, what: str) -> int:
+    """``length`` capped by ``--seq-length``: truncated, or a ValueError under ``--overlong-samples error``."""
+    if length <= seq_length:
+        return length
+    if overlong == "error":
+        raise ValueError(
+            f"{what} has {length} tokens, more than --seq-length {seq_length}; raise --seq-length "
+            f"or pass --overlong-samples truncate")
+    return seq_length
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Samples with their capped lengths known before reading them."""
+
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> Sample:
+        raise NotImplementedError
+
+
+class MockDataset(TokenDataset):
+    """``num_samples`` synthetic samples; sample ``i`` is a pure function of ``(seed, i)``."""
+
+    def __init__(self, num_samples: int, distribution: str, seq_length: int, content: str = "random",
+                 vocab_size: int = 32000, seed: int = 1234):
+        check_distribution(distribution)
+        if content not in MOCK_CONTENTS:
+            raise ValueError(f"--mock-content must be one of {MOCK_CONTENTS}, got {content!r}")
+        if vocab_size < 2:
+            raise ValueError(f"--mock-vocab-size must be >= 2, got {vocab_size}")
+        min_length = RETRIEVAL_MIN_LENGTH if content == "retrieval" else MIN_SAMPLE_LENGTH
+        if seq_length < min_length:
+            raise ValueError(f"--seq-length must be >= {min_length} for --mock-content {content}, got {seq_length}")
+        self.distribution, self.content, self.vocab_size, self.seed = distribution, content, vocab_size, seed
+        self.lengths = sample_lengths(distribution, num_samples, seq_length, np.random.default_rng([seed, 0]), min_length)
+
+    def __getitem__(self, index: int) -> Sample:
+        # A generator per sample: any sample can be read alone, in any order, on any rank.
+        rng = np.random.default_rng([self.seed, 1, int(index)])
+        make = retrieval_sample if self.content == "retrieval" else random_token_sample
+        return Sample(*make(int(self.lengths[index]), self.vocab_size, rng))
+
+
+def load_tokenizer(path: str):
+    """A Hugging Face tokenizer from a local directory (never the network)."""
+    if not os.path.isdir(path):
+        raise ValueError(f"--tokenizer-model must be a local directory with a Hugging Face tokenizer, got {path!r}")
+    from transformers import AutoTokenizer  # heavy import, only for JSONL data
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _render_chat(tokenizer, messages: list) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    # Without a template (a base model's tokenizer), a plain documented layout.
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+
+
+def tokenize_chat(tokenizer, messages: list, where: str) -> tuple[list[int], list[float]]:
+    """Token ids and target mask of a conversation: 1 on assistant replies (with their end-of-turn).
+
+    Each message's text is the difference between the rendering of the conversation up to it and
+    up to the one before, so whatever the chat template adds (headers, end-of-turn markers, a
+    default system prompt) lands in the right turn; inside an assistant turn the header before
+    the reply is not a target.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list")
+    ids: list[int] = []
+    mask: list[float] = []
+    rendered = ""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"{where}: message {i} needs 'role' and 'content'")
+        upto = _render_chat(tokenizer, messages[: i + 1])
+        if not upto.startswith(rendered):
+            raise ValueError(f"{where}: the chat template does not render conversations prefix by prefix")
+        piece, rendered = upto[len(rendered):], upto
+        parts = [(piece, 0.0)]
+        if m["role"] == "assistant":
+            at = piece.find(m["content"]) if m["content"] else -1
+            parts = [(piece[:at], 0.0), (piece[at:], 1.0)] if at >= 0 else [(piece, 1.0)]
+        for text, target in parts:
+            if text:
+                part = tokenizer(text, add_special_tokens=False)["input_ids"]
+                ids += part
+                mask += [target] * len(part)
+    return ids, mask
+
+
+def tokenize_text(tokenizer, text: str) -> tuple[list[int], list[float]]:
+    """Token ids of a plain document (with EOS where the tokenizer has one); every token is a target."""
+    ids = list(tokenizer(text)["input_ids"])
+    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids.append(tokenizer.eos_token_id)
+    return ids, [1.0] * len(ids)
+
+
+class JsonlDataset(TokenDataset):
+    """One sample per JSONL record (``{"text": ...}`` or ``{"messages": [{"role", "content"}, ...]}``).
+
+    Records are tokenized once, at construction (lengths are needed before planning), and kept as
+    int32 arrays; for corpora that do not fit in memory convert them to ``.bin``/``.idx`` with
+    :func:`write_indexed_dataset`. Records shorter than two tokens have nothing to predict and
+    are skipped (their line numbers are in ``.skipped``).
+    """
+
+    def __init__(self, path: str, tokenizer, seq_length: int, overlong: str = "truncate"):
+        check_overlong(overlong)
+        if seq_length < MIN_SAMPLE_LENGTH:
+            raise ValueError(f"--seq-length must be >= {MIN_SAMPLE_LENGTH}, got {seq_length}")
+        if isinstance(tokenizer, str):
+            tokenizer = load_tokenizer(tokenizer)
+        self.tokens: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.skipped: list[int] = []
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{line_no}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: not valid JSON ({e})") from None
+                if isinstance(record, dict) and "messages" in record:
+                    ids, mask = tokenize_chat(tokenizer, record["messages"], where)
+                elif isinstance(record, dict) and isinstance(record.get("text"), str):
+                    ids, mask = tokenize_text(tokenizer, record["text"])
+                else:
+                    raise ValueError(f"{where}: a record needs a 'text' string or a 'messages' list")
+                if len(ids) < MIN_SAMPLE_LENGTH:
+                    self.skipped.append(line_no)
+                    continue
+                n = cap_length(len(ids), seq_length, overlong, where)
+                self.tokens.append(np.asarray(ids[:n], dtype=np.int32))
+                self.masks.append(np.asarray(mask[:n], dtype=np.float32))
+        self.lengths = np.array([len(t) for t in self.tokens], dtype=np.int64)
+
+    def __getitem__(self, index: int) -> Sample:
+        return Sample(torch.from_numpy(self.tokens[index].astype(np.int64)), torch.from_numpy(self.masks[index].copy()))
+
+
+class IndexedTokenDataset(TokenDataset):
+    """Megatron's ``.bin``/``.idx`` (megatron-core's ``IndexedDataset``): one sample per sequence,
+    every token a target (the format stores tokens only)."""
+
+    def __init__(self, path_prefix: str, seq_length: int, overlong: str = "truncate"):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        check_overlong(overlong)
+        if not IndexedDataset.exists(path_prefix):
+            raise ValueError(f"--data-path {path_prefix!r}: no {path_prefix}.bin / {path_prefix}.idx found")
+        self.data = IndexedDataset(path_prefix, mmap=True)
+        stored = np.asarray(self.data.sequence_lengths, dtype=np.int64)
+        if overlong == "error" and len(stored) and stored.max() > seq_length:
+            i = int(stored.argmax())
+            cap_length(int(stored[i]), seq_length, overlong, f"{path_prefix} sequence {i}")
+        self.lengths = np.minimum(stored, seq_length)
+
+    def __getitem__(self, index: int) -> Sample:
+        n = int(self.lengths[index])
+        tokens = torch.from_numpy(np.asarray(self.data.get(int(index), 0, n), dtype=np.int64))
+        return Sample(tokens, torch.ones(n))
+
+
+def write_indexed_dataset(path_prefix: str, sequences: Sequence, vocab_size: Optional[int] = None) -> None:
+    """Write token sequences as Megatron's ``.bin``/``.idx`` (one document per sequence)."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    dtype = DType.optimal_dtype(vocab_size)
+    builder = IndexedDatasetBuilder(path_prefix + ".bin", dtype=dtype)
+    for seq in sequences:
+        builder.add_item(torch.as_tensor(np.asarray(seq)))
+        builder.end_document()
+    builder.finalize(path_prefix + ".idx")
+
+
+@dataclass
+class DataConfig:
+    """The data flags (Megatron's names where Megatron has one)."""
+
+    seq_length: int = 8192
+    """Longest sample in tokens (Megatron's ``--seq-length``); longer samples follow ``--overlong-samples``."""
+
+    overlong_samples: str = "truncate"
+    """What to do with a sample longer than ``--seq-length``: truncate it, or stop with an error."""
+
+    data_path: Optional[str] = None
+    """A ``.jsonl`` file, or the prefix of Megatron's ``.bin``/``.idx`` (Megatron's ``--data-path``)."""
+
+    tokenizer_model: Optional[str] = None
+    """Local directory of a Hugging Face tokenizer, for JSONL data (Megatron's ``--tokenizer-model``)."""
+
+    mock_data: bool = False
+    """Synthetic samples instead of ``--data-path`` (Megatron's ``--mock-data``)."""
+
+    mock_length_distribution: str = "longtail"
+    """Length distribution of the mock samples: bimodal, longtail, uniform or fixed."""
+
+    mock_content: str = "random"
+    """Mock sample content: random tokens, or the retrieval task (a key planted early, asked for at the end)."""
+
+    mock_samples: int = 16384
+    """Number of mock samples (one epoch)."""
+
+    mock_vocab_size: int = 32000
+    """Token ids of mock samples are below this."""
+
+    seed: int = 1234
+    """Seed of the mock data and of the sample order (Megatron's ``--seed``)."""
+
+    def validate(self) -> "DataConfig":
+        check_overlong(self.overlong_samples)
+        if self.seq_length < MIN_SAMPLE_LENGTH:
+            raise ValueError(f"--seq-length must be >= {MIN_SAMPLE_LENGTH}, got {self.seq_length}")
+        if self.mock_data:
+            check_distribution(self.mock_length_distribution)
+            if self.mock_content not in MOCK_CONTENTS:
+                raise ValueError(f"--mock-content must be one of {MOCK_CONTENTS}, got {self.mock_content!r}")
+            if self.mock_samples < 1:
+                raise ValueError(f"--mock-samples must be >= 1, got {self.mock_samples}")
+        elif not self.data_path:
+            raise ValueError("--data-path is required unless --mock-data is given")
+        elif self.data_path.endswith(".jsonl") and not self.tokenizer_model:
+            raise ValueError("--tokenizer-model (a local Hugging Face tokenizer directory) is required for .jsonl --data-path")
+        return self
+
+
+def build_dataset(cfg: DataConfig) -> TokenDataset:
+    cfg.validate()
+    if cfg.mock_data:
+        return MockDataset(cfg.mock_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content,
+                           cfg.mock_vocab_size, cfg.seed)
+    if cfg.data_path.endswith(".jsonl"):
+        return JsonlDataset(cfg.data_path, cfg.tokenizer_model, cfg.seq_length, cfg.overlong_samples)
+    return IndexedTokenDataset(cfg.data_path, cfg.seq_length, cfg.overlong_samples)
+
+
+def pack_micro_batch(dataset: TokenDataset, indices: Sequence[int]) -> PackedBatch:
+    """The THD micro-batch of the given samples, in the given order."""
+    if not len(indices):
+        raise ValueError("a micro-batch needs at least one sample")
+    samples = [dataset[int(i)] for i in indices]
+    return pack_sequences([s.tokens for s in samples], [s.target_mask for s in samples])
+
+
+__all__ = [
+    "DISTRIBUTIONS", "MOCK_CONTENTS", "OVERLONG_MODES", "DataConfig", "IndexedTokenDataset", "JsonlDataset",
+    "MockDataset", "Sample", "TokenDataset", "build_dataset", "load_tokenizer", "pack_micro_batch",
+    "write_indexed_dataset",
+]
