@@ -140,3 +140,21 @@ def dst_claim(table_path, out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
+
+
+def megatron_oracle(lengths, seed):
+    """Our schedule and megatron-core's 1F1B give the same losses and gradients (fixed budget)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: F401
+
+    from megatron_sparsebalance.pipeline.oracle import compare_with_megatron
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    torch.manual_seed(seed)
+    cfg = transformer_config(SHAPE, pipeline_parallel_size=pp)
+    cfg.moe_token_dispatcher_type = "alltoall"  # megatron-core refuses variable_seq_lengths otherwise
+    model = build_gpt_model(SHAPE, SPARSE, cfg, max_sequence_length=4096,
+                            pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage())
+    diff = compare_with_megatron(model, cfg, micro_batches(lengths, seed), SHAPE.hidden_size, budget=2)
+    assert diff["max_loss_diff"] < 1e-6, diff
+    assert diff["max_grad_diff"] <= 1e-6 * max(1.0, diff["max_grad"]), diff

@@ -28,3 +28,8 @@ def test_dp2_pp2_equals_single_process(tmp_path, ddp):
                          ids=["one-micro-batch", "fewer-than-stages", "very-unequal"])
 def test_no_deadlock_at_the_edges(tmp_path, lengths):
     run_case(tmp_path, [lengths], pp=4, budget=None)
+
+
+def test_equals_megatron_core_1f1b():
+    """megatron-core's own schedule is the oracle: same losses, same gradients."""
+    run_workers(pipeline_cases.megatron_oracle, world=2, pp=2, args=([[130, 64], [448], [64, 64, 200]], 3))

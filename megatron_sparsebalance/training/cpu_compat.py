@@ -25,6 +25,8 @@ _PATCHED_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.tensor_parallel.random",
     "megatron.core.utils",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.pipeline_parallel.schedules",
 )
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like")
 _MARKER = "_sparsebalance_cpu_torch"
