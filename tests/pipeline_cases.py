@@ -158,3 +158,12 @@ def megatron_oracle(lengths, seed):
     diff = compare_with_megatron(model, cfg, micro_batches(lengths, seed), SHAPE.hidden_size, budget=2)
     assert diff["max_loss_diff"] < 1e-6, diff
     assert diff["max_grad_diff"] <= 1e-6 * max(1.0, diff["max_grad"]), diff
+
+
+def trainer_benchmark(out_dir):
+    """benchmarks/pipeline_dst.py end to end on CPU: Trainer (megatron DDP + optimizer), DST, metrics."""
+    from benchmarks.pipeline_dst import main
+
+    main(["--pp", "2", "--model", "tiny", "--seq-length", "1024", "--micro-batches", "3", "--iters", "2", "--warmup", "1",
+          "--moba-block-size", "64", "--moba-topk", "4", "--sparse-attn-impl", "torch", "--anchors", "none", "mean",
+          "--check-megatron", "--out", out_dir])

@@ -33,3 +33,18 @@ def test_no_deadlock_at_the_edges(tmp_path, lengths):
 def test_equals_megatron_core_1f1b():
     """megatron-core's own schedule is the oracle: same losses, same gradients."""
     run_workers(pipeline_cases.megatron_oracle, world=2, pp=2, args=([[130, 64], [448], [64, 64, 200]], 3))
+
+
+def test_pipeline_benchmark_runs_on_cpu(tmp_path):
+    """The GPU benchmark's code path (Trainer with megatron-core DDP and optimizer, DST, traces) on gloo."""
+    import json
+
+    run_workers(pipeline_cases.trainer_benchmark, world=2, pp=2, args=(str(tmp_path),))
+    res = json.load(open(tmp_path / "pipeline_dst_cpu.json"))
+    assert [r["dst_anchor"] for r in res["rows"]] == ["none", "mean"]
+    for r in res["rows"]:
+        assert r["imbalance"] >= 1.0 and r["iter_ms"] > 0 and 0 <= r["bubble"] < 1
+        assert all(it["loss"] == it["loss"] for it in r["iterations"])  # never NaN
+    assert res["rows"][0]["mean_budget"] == 4
+    assert all(d["max_grad_diff"] <= 1e-6 * max(1.0, d["max_grad"]) for d in res["megatron_check"])
+    assert (tmp_path / "trace_mean.json").exists()

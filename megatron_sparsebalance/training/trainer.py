@@ -1,0 +1,155 @@
+"""The training step of one pipeline stage, from megatron-core's parts and our schedule.
+
+``Trainer`` owns the stage's model (megatron-core ``GPTModel`` with sparse core attention,
+``Float16Module`` for bf16, megatron-core ``DistributedDataParallel``), megatron-core's
+optimizer and LR/WD scheduler, and runs one global batch: DST plans the budgets, our 1F1B
+schedule runs the micro-batches, the measured times calibrate the latency model. The pretrain
+entry point, the end-to-end benchmarks and the tests all step through it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
+
+from megatron_sparsebalance.attention.config import SparseAttentionConfig
+from megatron_sparsebalance.balance.dst import DSTConfig
+from megatron_sparsebalance.pipeline.schedule import PipelinePlan, forward_backward_sparsebalance
+from megatron_sparsebalance.pipeline.timeline import IterationMetrics
+from megatron_sparsebalance.training.model import ModelShape, build_gpt_model, transformer_config
+from megatron_sparsebalance.training.step import gpt_forward_step, mean_loss, pipeline_plans, stage_flags
+
+
+@dataclass
+class OptimSettings:
+    """Megatron-LM's optimizer flags (``--lr``, ``--min-lr``, ...)."""
+
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int = 1000
+    lr_decay_style: str = "cosine"
+    use_distributed_optimizer: bool = False
+
+    def validate(self) -> "OptimSettings":
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= --min-lr <= --lr and --lr > 0, got --lr {self.lr} --min-lr {self.min_lr}")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
+            raise ValueError(f"--lr-decay-style must be constant, linear, cosine or inverse-square-root, got {self.lr_decay_style!r}")
+        return self
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: Optional[float]
+    skipped: bool
+    plan: PipelinePlan
+    metrics: Optional[IterationMetrics]
+    dst_ms: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Trainer:
+    """One pipeline stage of a DP x PP (x TP) job."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        sparse: SparseAttentionConfig,
+        dst: DSTConfig,
+        optim: OptimSettings,
+        max_sequence_length: int,
+        bf16: bool = False,
+        latency_model=None,
+        calibrate: bool = True,
+        num_layers: Optional[int] = None,
+    ):
+        self.shape, self.sparse, self.dst = shape, sparse.validate(), dst.validate()
+        optim.validate()
+        self.latency_model, self.calibrate = latency_model, calibrate
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.config = transformer_config(shape, pipeline_parallel_size=pp, tensor_parallel_size=tp, bf16=bf16,
+                                         num_layers=num_layers)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        model = build_gpt_model(shape, sparse, self.config, max_sequence_length, **stage_flags()).to(device)
+        if bf16:
+            model = Float16Module(self.config, model)
+        self.model = DistributedDataParallel(
+            self.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer),
+            model,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,
+                            bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                            use_distributed_optimizer=optim.use_distributed_optimizer),
+            [self.model],
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.lr_warmup_iters else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+            lr_warmup_steps=optim.lr_warmup_iters, lr_decay_steps=max(optim.lr_decay_iters, optim.lr_warmup_iters + 1),
+            lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant",
+        )
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.device = device
+
+    def plan(self, micro_batch_lengths: Sequence[Sequence[Sequence[int]]]) -> PipelinePlan:
+        """This DP rank's plan for a global batch (``[dp_rank][micro_batch] -> lengths``)."""
+        plans = pipeline_plans(micro_batch_lengths, self.shape.hidden_size, self.dst, self.latency_model)
+        return plans[parallel_state.get_data_parallel_rank()]
+
+    def train_step(self, micro_batch_lengths, batches, measure: bool = True) -> StepResult:
+        """One global batch: plan, 1F1B forward/backward, optimizer step, calibration."""
+        import time
+
+        t0 = time.perf_counter()
+        plan = self.plan(micro_batch_lengths)
+        dst_ms = (time.perf_counter() - t0) * 1e3
+        plan.measure = measure
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = forward_backward_sparsebalance(
+            forward_step_func=gpt_forward_step, data_iterator=iter([b.to(self.device) for b in batches]),
+            model=[self.model], num_microbatches=len(batches), plan=plan,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        loss = self._loss_on_every_rank(reports)
+        if measure and self.calibrate and self.latency_model is not None and plan.measured is not None:
+            self._calibrate(micro_batch_lengths, plan.measured)
+        return StepResult(loss, grad_norm, not ok, plan, plan.measured, dst_ms)
+
+    def _loss_on_every_rank(self, reports) -> float:
+        """The last stage's mean loss, averaged over DP ranks and known to every rank."""
+        value = torch.tensor([mean_loss(reports) if reports else 0.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(value)
+        holders = parallel_state.get_data_parallel_world_size() * parallel_state.get_tensor_model_parallel_world_size()
+        return float(value) / holders
+
+    def _calibrate(self, micro_batch_lengths, metrics: IterationMetrics) -> None:
+        # Every rank sees the same gathered metrics, so every rank's model stays identical.
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        flat = [lengths for rank in micro_batch_lengths for lengths in rank]
+        for lengths, used, ms in zip(flat, metrics.budgets, metrics.micro_batch_ms):
+            if used > 0:
+                self.latency_model.observe(lengths, max(1, round(used)), ms / pp)
