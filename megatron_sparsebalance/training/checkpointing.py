@@ -1,0 +1,131 @@
+"""Checkpoints: megatron-core ``dist_checkpointing`` in Megatron-LM's directory layout.
+
+::
+
+    <save>/iter_0000100/                      one checkpoint (dist_checkpointing format)
+        sharded: model (and optimizer) state, resharded on load to any TP/PP layout
+        common:  iteration, resolved config, LR scheduler, sampler + SAB estimator, latency
+                 model calibration, format tag
+        rng_rank<r>.pt                        each rank's RNG states
+        complete                              written last: the checkpoint is whole
+    <save>/latest_checkpointed_iteration.txt  the newest complete checkpoint, replaced atomically
+
+A crash mid-save leaves a directory without ``complete`` and an unchanged
+``latest_checkpointed_iteration.txt``: the half-written checkpoint is never loaded.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.utils import unwrap_model
+
+FORMAT = "megatron-sparsebalance/1"
+LATEST = "latest_checkpointed_iteration.txt"
+COMPLETE = "complete"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer=None, common: Optional[dict] = None) -> str:
+    """Save on every rank (collective); returns the checkpoint directory.
+
+    ``model`` may be wrapped (DDP, Float16Module); ``common`` holds picklable state that is the
+    same on every rank (rank 0's copy is written).
+    """
+    path = iteration_dir(root, iteration)
+    if _rank() == 0:
+        if os.path.exists(path):  # a stale, incomplete attempt at the same iteration
+            shutil.rmtree(path)
+        os.makedirs(path)
+    _barrier()
+    model_sd = unwrap_model(model).sharded_state_dict()
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd)
+    state["common"] = {"format": FORMAT, "iteration": iteration, **(common or {})}
+    dist_checkpointing.save(state, path)
+    torch.save(rng_state(), os.path.join(path, f"rng_rank{_rank()}.pt"))
+    _barrier()
+    if _rank() == 0:
+        open(os.path.join(path, COMPLETE), "w").close()
+        tmp = os.path.join(root, LATEST + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{iteration}\n")
+        os.replace(tmp, os.path.join(root, LATEST))  # atomic: readers see the old or the new file
+    _barrier()
+    return path
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """The newest complete checkpoint under ``root`` (a ``--save``/``--load`` directory), or None.
+
+    ``root`` may also be one checkpoint directory itself (it has ``complete``).
+    """
+    if os.path.exists(os.path.join(root, COMPLETE)):
+        return root
+    latest = os.path.join(root, LATEST)
+    if not os.path.exists(latest):
+        return None
+    with open(latest) as f:
+        path = iteration_dir(root, int(f.read().strip()))
+    if not os.path.exists(os.path.join(path, COMPLETE)):
+        raise ValueError(f"--load {root}: {LATEST} names {path}, which is not a complete checkpoint")
+    return path
+
+
+def load_checkpoint(path: str, model, optimizer=None, strict: bool = True) -> dict:
+    """Load model (and optimizer) state into ``model``; returns the checkpoint's common state.
+
+    The model may have another TP/PP layout than the one that saved: dist_checkpointing reshards.
+    """
+    if not os.path.exists(os.path.join(path, COMPLETE)):
+        raise ValueError(f"{path} is not a complete checkpoint (no '{COMPLETE}' marker)")
+    inner = unwrap_model(model)
+    model_sd = inner.sharded_state_dict()
+    request: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+    loaded = dist_checkpointing.load(request, path)
+    common = dist_checkpointing.load_common_state_dict(path).get("common", {})
+    if common.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a megatron-sparsebalance checkpoint (format {common.get('format')!r})")
+    inner.load_state_dict(loaded["model"], strict=strict)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    rng = os.path.join(path, f"rng_rank{_rank()}.pt")
+    if optimizer is not None and os.path.exists(rng):
+        set_rng_state(torch.load(rng, weights_only=False))
+    return common
