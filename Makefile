@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # torch==2.13.0 is a CPU wheel on the CPU machines; an unpinned torch drags GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
-DEPS := "megatron-core==0.16.1" triton pybind11 numpy ninja pytest psutil transformers tokenizers
+DEPS := "megatron-core==0.16.1" triton pybind11 numpy ninja pytest psutil transformers tokenizers tensorboard matplotlib
 NATIVE_SRC := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 PYTEST_CPU := -m "not gpu and not multigpu"
 

@@ -89,22 +89,33 @@ def flex_block_mask(route, hq, S):
     kv_idx, kv_cnt = route.kv_idx, route.kv_cnt  # [G, NB, K], [G, NB]
     G, NB, K = kv_idx.shape
     R = hq // G
+    dev = kv_idx.device
     full_cnt = (kv_cnt - 1).clamp(min=0)
-    full_idx = torch.zeros(G, NB, NB, dtype=torch.int32, device="cuda")
-    slot = torch.arange(K, device="cuda").view(1, 1, K)
+    full_idx = torch.zeros(G, NB, NB, dtype=torch.int32, device=dev)
+    slot = torch.arange(K, device=dev).view(1, 1, K)
     # Off-diagonal entries are the first kv_cnt-1 ones (ascending, diagonal last).
     keep = slot < full_cnt.unsqueeze(-1)
     full_idx[:, :, :K] = torch.where(keep, kv_idx, torch.zeros_like(kv_idx))
-    part_cnt = torch.ones(G, NB, dtype=torch.int32, device="cuda")
-    part_idx = torch.zeros(G, NB, NB, dtype=torch.int32, device="cuda")
-    part_idx[:, :, 0] = torch.arange(NB, dtype=torch.int32, device="cuda")
+    part_cnt = torch.ones(G, NB, dtype=torch.int32, device=dev)
+    part_idx = torch.zeros(G, NB, NB, dtype=torch.int32, device=dev)
+    part_idx[:, :, 0] = torch.arange(NB, dtype=torch.int32, device=dev)
 
     def per_head(x):
         return x.repeat_interleave(R, 0).unsqueeze(0).contiguous()
 
+    # The mask_mod also encodes the selection (a [HQ, NB, NB] bool table, O(NB^2) not O(S^2)):
+    # compiled Flex evaluates it only on the partial (diagonal) blocks, and eager Flex, which
+    # ignores the block structure, still computes the same function.
+    sel = torch.zeros(G, NB, NB + 1, dtype=torch.bool, device=dev)
+    sel.scatter_(-1, torch.where(kv_idx >= 0, kv_idx.long(), NB), True)
+    sel = sel[..., :NB].repeat_interleave(R, 0).contiguous()
+
+    def mask_mod(b, h, qi, ki):
+        return (qi >= ki) & sel[h, qi // BLOCK, ki // BLOCK]
+
     return BlockMask.from_kv_blocks(
         per_head(part_cnt), per_head(part_idx), per_head(full_cnt.to(torch.int32)), per_head(full_idx),
-        BLOCK_SIZE=BLOCK, mask_mod=lambda b, h, qi, ki: qi >= ki, seq_lengths=(S, S),
+        BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(S, S),
     )
 
 
@@ -234,17 +245,30 @@ def main(argv=None):
                         route = select_blocks(block_scores(q, k, lay), lay, kk)
                     if impl == "cuda":  # router cost once per case (same for every impl)
                         rms = cuda_time(lambda: select_blocks(block_scores(q, k, lay), lay, kk), iters=5, warmup=1)
-                        router_rows.append(dict(shape=name, seq=S, density=density, k=kk, router_ms=rms))
+                        from megatron_sparsebalance.ops.triton_router import block_scores_triton
+
+                        fms = cuda_time(lambda: select_blocks(block_scores_triton(q, k, lay), lay, kk), iters=5, warmup=1)
+                        router_rows.append(dict(shape=name, seq=S, density=density, k=kk, router_ms=rms,
+                                                router_triton_pool_ms=fms))
                     kept_heads = route.kept_blocks() * (hq // g)
                     if impl == "flex":
                         bm = flex_block_mask(route, hq, S)
                 row = dict(impl=impl, shape=name, seq=S, density=density)
+                step = None
                 if density < 1.0:
                     row.update(k=kk, kept_frac=kept_heads / (hq * nb * (nb + 1) / 2))
                 try:
                     step = run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm)
                     ms = cuda_time(step, iters=args.iters)
                     mem = peak_extra_gib(step)
+                    if impl == "flex" and "triton" in impls:  # same selection => same output
+                        from megatron_sparsebalance.ops.triton_attention import block_sparse_attention
+
+                        with torch.no_grad():
+                            ours = block_sparse_attention(q, k, v, route, 1.0 / math.sqrt(d))
+                            theirs = flex_fn(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), block_mask=bm,
+                                             enable_gqa=True, scale=1.0 / math.sqrt(d))
+                        row["max_abs_diff_vs_triton"] = (ours.float() - theirs[0].transpose(0, 1).float()).abs().max().item()
                     flops = 4 * kept_heads * BLOCK * BLOCK * d * 3.5
                     row.update(ms=ms, tflops=flops / ms / 1e9, peak_mem_gib=mem)
                 except Exception as e:  # keep going: a missing backend is a row, not a crash
@@ -282,7 +306,11 @@ def print_table(result):
             ratio = f"{flex / min(ours):5.2f}x" if ours and flex else "  -"
             print(f"{shape:14s} {S:6d} {dens:5.2f} | " + " | ".join(cells) + f" | {ratio}")
     for r in result.get("router", []):
-        print(f"router {r['shape']} S={r['seq']} k={r['k']}: {r['router_ms']:.3f} ms")
+        best = min((x["ms"] for x in result["rows"] if x["shape"] == r["shape"] and x["seq"] == r["seq"]
+                    and x["density"] == r["density"] and x["impl"] in ("cuda", "triton") and x.get("ms")), default=None)
+        frac = f" = {100 * r['router_triton_pool_ms'] / best:.1f}% of our best fwd+bwd" if best else ""
+        print(f"router {r['shape']} S={r['seq']} d={r['density']} k={r['k']}: torch {r['router_ms']:.3f} ms, "
+              f"triton pooling {r['router_triton_pool_ms']:.3f} ms{frac}")
 
 
 if __name__ == "__main__":

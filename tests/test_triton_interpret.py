@@ -2,7 +2,7 @@
 
 Runs in a subprocess because the interpreter is chosen when the kernels are decorated, at
 import. Tiny shapes: partial blocks, a varlen pack, GQA with R = 3, fp16; outputs and
-dq/dk/dv against the fp32 reference.
+dq/dk/dv against the fp32 reference; the Triton router pooling against the torch router.
 """
 from __future__ import annotations
 
@@ -43,6 +43,14 @@ SCRIPT = textwrap.dedent(
             assert torch.isfinite(a).all(), name
             rel = ((a.float() - b).norm() / b.norm()).item()
             assert rel < 3e-3, (name, rel)
+    from megatron_sparsebalance.ops.router import block_scores
+    from megatron_sparsebalance.ops.triton_router import block_scores_triton
+
+    ref = block_scores(q.detach(), k.detach(), lay)
+    got = block_scores_triton(q.detach(), k.detach(), lay)
+    assert torch.equal(torch.isinf(ref), torch.isinf(got))
+    fin = torch.isfinite(ref)
+    assert torch.allclose(got[fin], ref[fin], atol=1e-4, rtol=1e-4)
     print("OK")
     """
 )

@@ -196,6 +196,14 @@ class LatencyModel:
         self._log_scale = 0.0
         self.observations = 0
 
+    def calibration_state(self) -> dict:
+        """What calibration has learned (saved with checkpoints, so a resumed run plans the same)."""
+        return {"log_scale": self._log_scale, "observations": self.observations}
+
+    def load_calibration(self, state: Mapping[str, Any]) -> None:
+        self._log_scale = float(state["log_scale"])
+        self.observations = int(state["observations"])
+
     # ---- serialization ----------------------------------------------------------------------
 
     def _params(self) -> dict:

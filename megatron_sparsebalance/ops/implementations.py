@@ -21,7 +21,7 @@ import torch
 from megatron_sparsebalance.ops import native
 
 IMPLEMENTATIONS = ("auto", "cuda", "triton", "torch")
-AUTO_ORDER = ("cuda", "triton", "torch")
+AUTO_ORDER = ("triton", "cuda", "torch")  # benchmarks/results/attention_h200.json
 
 
 def unavailable_reason(impl: str, device: torch.device) -> Optional[str]:

@@ -34,18 +34,19 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_sparsebalance.ops.cuda_attention import transpose_index_gpu  # noqa: F401  (shared, torch only)
 from megatron_sparsebalance.ops.router import BlockRoute
 
 LOG2E = 1.4426950408889634
 
 # Tile choices per (kernel, head dim); the benchmark may overwrite them after a sweep. Each is
 # (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages); BLOCK_N is clamped to the block size.
-CONFIGS = {
-    ("fwd", 64): (128, 128, 8, 3),
-    ("fwd", 128): (128, 128, 8, 2),
-    ("dq", 64): (128, 64, 8, 2),
-    ("dq", 128): (128, 64, 8, 2),
-    ("dkdv", 64): (64, 128, 8, 2),
+CONFIGS = {  # picked on an H200 at S=32K, density 25% (benchmarks/attention.py --tune)
+    ("fwd", 64): (64, 64, 4, 3),
+    ("fwd", 128): (128, 128, 8, 3),
+    ("dq", 64): (128, 128, 8, 2),
+    ("dq", 128): (128, 128, 8, 2),
+    ("dkdv", 64): (64, 64, 4, 3),
     ("dkdv", 128): (64, 128, 8, 2),
 }
 
@@ -260,24 +261,6 @@ def _tile(kind: str, D: int, block: int) -> tuple[int, int, int, int]:
     return bm, min(bn, block), warps, stages
 
 
-def transpose_index_gpu(kv_idx: torch.Tensor, kv_cnt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSR of query blocks per (group, KV block), built without a host synchronisation.
-
-    Same result as :func:`~megatron_sparsebalance.ops.router.transpose_route_index`:
-    ``q_ptr [G*NB+1]`` int32 and ``q_idx`` int32 (length ``G*NB*K``; only the first
-    ``q_ptr[-1]`` entries are meaningful), query blocks ascending per KV block. A stable sort of
-    every slot by (group, KV block) keeps them ascending; padding slots sort last.
-    """
-    G, NB, K = kv_idx.shape
-    dev = kv_idx.device
-    g = torch.arange(G, device=dev, dtype=torch.int64).view(G, 1, 1)
-    key = torch.where(kv_idx >= 0, g * NB + kv_idx.long(), G * NB).reshape(-1)
-    skey, order = torch.sort(key, stable=True)
-    q_idx = ((order // K) % NB).to(torch.int32)
-    q_ptr = torch.searchsorted(skey, torch.arange(G * NB + 1, device=dev, dtype=torch.int64)).to(torch.int32)
-    return q_ptr, q_idx
-
-
 def _check(q, k, v, block_size):
     if q.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"expected q [T, HQ, D], k/v [T, G, D]; got {tuple(q.shape)}, {tuple(k.shape)}")
@@ -316,14 +299,15 @@ def _backward(do, q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend, scale: float,
     G = k.shape[1]
     R = HQ // G
     NB = bstart.numel()
+    if T == 0 or NB == 0:
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # The index first: its sort temporaries are freed before the gradients are allocated.
+    q_ptr, q_idx = transpose_index_gpu(kv_idx, kv_cnt)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    if T == 0 or NB == 0:
-        return dq, dk, dv
     delta = torch.empty(T, HQ, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(T * HQ, 64),)](out, do, delta, T * HQ, D=D, BLOCK_R=64, num_warps=4)
-    q_ptr, q_idx = transpose_index_gpu(kv_idx, kv_cnt)
     bm, bn, warps, stages = _tile("dkdv", D, block_size)
     ksub = block_size // bn
     _dkdv_kernel[(NB * ksub, G)](

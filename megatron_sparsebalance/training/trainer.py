@@ -8,6 +8,7 @@ entry point, the end-to-end benchmarks and the tests all step through it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -32,15 +33,25 @@ class OptimSettings:
     """Megatron-LM's optimizer flags (``--lr``, ``--min-lr``, ...)."""
 
     lr: float = 3e-4
+    """Peak learning rate (Adam)."""
     min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
     weight_decay: float = 0.01
+    """Decoupled weight decay."""
     adam_beta1: float = 0.9
+    """Adam beta1."""
     adam_beta2: float = 0.95
+    """Adam beta2."""
     clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
     lr_warmup_iters: int = 0
+    """Linear warm-up iterations."""
     lr_decay_iters: int = 1000
+    """Iterations of the decay from --lr to --min-lr."""
     lr_decay_style: str = "cosine"
+    """constant, linear, cosine or inverse-square-root."""
     use_distributed_optimizer: bool = False
+    """Shard the optimizer state over data-parallel ranks (megatron-core's distributed optimizer)."""
 
     def validate(self) -> "OptimSettings":
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -131,10 +142,16 @@ class Trainer:
             forward_step_func=gpt_forward_step, data_iterator=iter([b.to(self.device) for b in batches]),
             model=[self.model], num_microbatches=len(batches), plan=plan,
         )
-        ok, grad_norm, _ = self.optimizer.step()
+        loss = self._loss_on_every_rank(reports)
+        # A non-finite loss or gradient skips the update (counted by the caller); megatron-core's
+        # optimizer only checks for that itself under fp16 loss scaling.
+        grad_norm = self.optimizer.get_grad_norm() if math.isfinite(loss) else float("nan")
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            ok, grad_norm, _ = self.optimizer.step()
+        else:
+            ok = False
         if ok:
             self.scheduler.step(increment=1)
-        loss = self._loss_on_every_rank(reports)
         if measure and self.calibrate and self.latency_model is not None and plan.measured is not None:
             self._calibrate(micro_batch_lengths, plan.measured)
         return StepResult(loss, grad_norm, not ok, plan, plan.measured, dst_ms)

@@ -1,0 +1,336 @@
+"""``python -m megatron_sparsebalance.pretrain``: SparseBalance training on megatron-core.
+
+Launch with torchrun, with Megatron-LM's flag names plus ours::
+
+    torchrun --nproc_per_node 4 -m megatron_sparsebalance.pretrain --model qwen2.5-0.5b \\
+        --pipeline-model-parallel-size 4 --micro-batch-size 2 --global-batch-size 16 \\
+        --seq-length 65536 --mock-data --mock-length-distribution longtail --bf16 \\
+        --moba-block-size 128 --moba-topk 32 --dst-anchor mean --dst-p 0.1 --batching sab \\
+        --train-iters 100 --save ckpt --save-interval 50 --tensorboard-dir tb
+
+Per iteration: the sampler draws a global batch, SAB splits it over DP ranks and micro-batches,
+DST picks each micro-batch's budget from the latency model, our 1F1B schedule runs it, the
+measured times calibrate the latency model and the budgets used feed SAB's estimator.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_sparsebalance.balance.latency import (
+    AnalyticLatencyModel,
+    LatencyModel,
+    attention_block_pairs,
+    latency_metadata,
+)
+from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
+from megatron_sparsebalance.config import SparseBalanceConfig, build_parser, config_from_args
+from megatron_sparsebalance.data.datasets import build_dataset
+from megatron_sparsebalance.data.sampler import GlobalBatchSampler
+from megatron_sparsebalance.ops.implementations import resolve_impl
+from megatron_sparsebalance.training.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
+from megatron_sparsebalance.training.dist import init_distributed
+from megatron_sparsebalance.training.step import layers_per_stage
+from megatron_sparsebalance.training.trainer import Trainer
+
+try:
+    from torch.utils.tensorboard import SummaryWriter
+
+    HAVE_TENSORBOARD = True
+except ImportError:  # optional: only --tensorboard-dir needs it
+    HAVE_TENSORBOARD = False
+
+
+# ---- set-up --------------------------------------------------------------------------------
+
+
+def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> LatencyModel:
+    """The table of --latency-table (checked against this run) or the analytic model."""
+    shape = cfg.model.shape()
+    nl = shape.num_layers // cfg.parallel.pipeline_model_parallel_size
+    common = {}
+    if cfg.dst.dst_budgets is not None:
+        common["candidates"] = sorted(set(cfg.dst.dst_budgets) | {cfg.sparse.moba_topk})
+    if cfg.latency.latency_table:
+        impl = resolve_impl(cfg.sparse.sparse_attn_impl, device)
+        expect = latency_metadata(shape, cfg.sparse.moba_block_size, nl, "bfloat16" if cfg.training.bf16 else "float32",
+                                  kernel_impl=impl, pipeline_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+                                  gpu=None if device.type == "cuda" else "cpu")
+        # The plan must be the same on every rank, so all stages plan with one table; which stage
+        # it was profiled on is not part of the match.
+        for key in ("pre_process", "post_process"):
+            expect.pop(key)
+        model = LatencyModel.load(cfg.latency.latency_table, expect=expect, force=cfg.latency.latency_table_force)
+        if "candidates" in common:
+            model.candidates = tuple(common["candidates"])
+    else:
+        hardware = cfg.latency.latency_hardware
+        if hardware == "auto":
+            hardware = "h200" if device.type == "cuda" else "cpu"
+        model = AnalyticLatencyModel(shape, nl, block_size=cfg.sparse.moba_block_size, hardware=hardware,
+                                     dtype_bytes=2 if cfg.training.bf16 else 4, **common)
+    if cfg.sparse.moba_topk not in model.candidates:
+        model.candidates = tuple(sorted(set(model.candidates) | {cfg.sparse.moba_topk}))
+    model.k_min = max(model.k_min, cfg.dst.dst_k_min)
+    return model
+
+
+def iteration_flops(cfg: SparseBalanceConfig, micro_batch_lengths, budgets) -> float:
+    """FLOPs of one iteration (forward + backward), attention counted by the blocks computed.
+
+    Dense part: 6 x (linear weights per token) x tokens, plus the output layer. Attention: every
+    (query block, KV block) pair a sequence computes at the budget its layers used, 4*B^2*d per
+    query head forward, times 3 for forward + backward; packs are summed per sequence, never
+    as (total tokens)^2.
+    """
+    s = cfg.model.shape()
+    H, d, nq, ng, F = s.hidden_size, s.kv_channels, s.num_attention_heads, s.num_query_groups, s.ffn_hidden_size
+    B = cfg.sparse.moba_block_size
+    linear_per_layer = H * (nq + 2 * ng) * d + nq * d * H + 3 * H * F
+    tokens = sum(sum(mb) for mb in micro_batch_lengths)
+    dense = 6 * tokens * (s.num_layers * linear_per_layer + H * s.vocab_size)
+    attention = 0.0
+    for lengths, k in zip(micro_batch_lengths, budgets):
+        k_eff = k if cfg.sparse.sparse_attention else 1 << 30
+        attention += sum(attention_block_pairs(L, max(1, round(k_eff)), B) for L in lengths)
+    attention *= 3 * 4 * B * B * d * nq * s.num_layers
+    return dense + attention
+
+
+class Metrics:
+    """The iteration line, TensorBoard scalars and the summary the demo prints."""
+
+    def __init__(self, cfg: SparseBalanceConfig, start_iteration: int, is_logger: bool):
+        self.cfg, self.is_logger = cfg, is_logger
+        self.start, self.t_start = start_iteration, time.perf_counter()
+        self.writer = SummaryWriter(cfg.logging.tensorboard_dir) if (is_logger and cfg.logging.tensorboard_dir) else None
+        self.history: list = []
+
+    def record(self, iteration, consumed, step, elapsed_ms, lr, flops, skipped_total, nan_total):
+        m = step.metrics
+        world = dist.get_world_size()
+        row = dict(
+            iteration=iteration, consumed_samples=consumed, elapsed_ms=elapsed_ms,
+            tflops_per_gpu=flops / (elapsed_ms / 1e3) / world / 1e12, lr=lr, loss=step.loss,
+            grad_norm=float(step.grad_norm) if step.grad_norm is not None else float("nan"),
+            skipped=skipped_total, nan=nan_total, imbalance=m.imbalance if m else float("nan"),
+            bubble=sum(m.bubble) / len(m.bubble) if m else float("nan"),
+            predicted_ms=(sum(m.predicted_ms) / parallel_state.get_pipeline_model_parallel_world_size()
+                          if m and m.predicted_ms else float("nan")),
+            measured_ms=m.iteration_ms if m else elapsed_ms,
+            mean_budget=sum(m.budgets) / len(m.budgets) if m and m.budgets else float("nan"),
+            mean_coverage=sum(m.coverage) / len(m.coverage) if m and m.coverage else float("nan"),
+            dst_ms=step.dst_ms,
+        )
+        self.history.append(row)
+        if self.writer is not None:
+            for key in ("loss", "lr", "grad_norm", "tflops_per_gpu", "elapsed_ms", "imbalance", "bubble", "mean_budget",
+                        "mean_coverage", "predicted_ms", "measured_ms", "dst_ms"):
+                if math.isfinite(row[key]):
+                    self.writer.add_scalar(f"train/{key}", row[key], iteration)
+            self.writer.flush()
+        if self.is_logger and iteration % self.cfg.logging.log_interval == 0:
+            done = iteration - self.start
+            remaining = (time.perf_counter() - self.t_start) / max(1, done) * (self.cfg.training.train_iters - iteration)
+            print(self.line(row, remaining), flush=True)
+        return row
+
+    def line(self, r: dict, eta_s: float) -> str:
+        """Megatron-LM's iteration line, then SparseBalance's figures."""
+        total = self.cfg.training.train_iters
+        return (
+            f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {r['iteration']:8d}/{total:8d} |"
+            f" consumed samples: {r['consumed_samples']:12d} |"
+            f" elapsed time per iteration (ms): {r['elapsed_ms']:.1f} |"
+            f" throughput per GPU (TFLOP/s/GPU): {r['tflops_per_gpu']:.3g} |"
+            f" learning rate: {r['lr']:.6E} |"
+            f" global batch size: {self.cfg.training.global_batch_size:5d} |"
+            f" lm loss: {r['loss']:.6E} |"
+            f" grad norm: {r['grad_norm']:.3f} |"
+            f" number of skipped iterations: {r['skipped']:3d} |"
+            f" number of nan iterations: {r['nan']:3d} |"
+            f" imbalance: {r['imbalance']:.3f} |"
+            f" bubble: {100 * r['bubble']:.1f}% |"
+            f" step time predicted/measured (ms): {r['predicted_ms']:.1f}/{r['measured_ms']:.1f} |"
+            f" mean budget: {r['mean_budget']:.1f} |"
+            f" coverage: {r['mean_coverage']:.3f} |"
+            f" ETA: {time.strftime('%H:%M:%S', time.gmtime(max(0.0, eta_s)))}"
+        )
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+class _Sigterm:
+    """Remembers a SIGTERM so the run saves at the end of the current iteration and exits."""
+
+    def __init__(self):
+        self.received = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank(self, device) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+
+def pretrain(cfg: SparseBalanceConfig) -> list:
+    """Train per ``cfg`` in this process (one rank of a torchrun job); returns the logged rows."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world)
+    if cfg.logging.tensorboard_dir and not HAVE_TENSORBOARD:
+        raise ValueError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)")
+    enable_cpu_megatron()
+    init_distributed(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
+                     cfg.parallel.distributed_backend)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(cfg.data.seed)
+    rank, dp_rank = dist.get_rank(), parallel_state.get_data_parallel_rank()
+    dp = parallel_state.get_data_parallel_world_size()
+    shape = cfg.model.shape()
+    latency = build_latency_model(cfg, device)
+    dataset = build_dataset(cfg.data)
+    batcher = SparsityAwareBatcher(cfg.batching.batching, dp, cfg.micro_batches_per_rank(world), latency_model=latency,
+                                   k_base=cfg.sparse.moba_topk, micro_batch_tokens=cfg.batching.micro_batch_tokens,
+                                   order=cfg.batching.micro_batch_order)
+    sampler = GlobalBatchSampler(dataset.lengths, cfg.training.global_batch_size, batcher, seed=cfg.data.seed)
+    trainer = Trainer(shape, cfg.sparse, cfg.dst_config(), cfg.optim, max_sequence_length=cfg.data.seq_length,
+                      bf16=cfg.training.bf16, latency_model=latency)
+
+    start = 0
+    ck = cfg.checkpoint
+    resume = latest_checkpoint(ck.load) if ck.load else None
+    if resume is not None:
+        common = load_checkpoint(resume, trainer.model, trainer.optimizer if ck.load_optim else None)
+        start = int(common["iteration"])
+        if ck.load_optim and "scheduler" in common:
+            trainer.scheduler.load_state_dict(common["scheduler"])
+        if "sampler" in common:
+            sampler.load_state_dict(common["sampler"])
+        if "latency" in common:
+            latency.load_calibration(common["latency"])
+        if rank == 0:
+            print(f"resumed from {resume} at iteration {start}", flush=True)
+    elif ck.pretrained_checkpoint:
+        path = latest_checkpoint(ck.pretrained_checkpoint)
+        if path is None:
+            raise ValueError(f"--pretrained-checkpoint {ck.pretrained_checkpoint}: no complete checkpoint there")
+        load_checkpoint(path, trainer.model)
+        if rank == 0:
+            print(f"initialized weights from {path}", flush=True)
+
+    log_dir = cfg.logging.log_dir or ck.save or cfg.logging.tensorboard_dir
+    if rank == 0 and log_dir:
+        cfg.write_json(os.path.join(log_dir, "config.json"))
+    if rank == 0:
+        print(f"megatron-sparsebalance: {shape.num_layers} layers over PP={cfg.parallel.pipeline_model_parallel_size} "
+              f"DP={dp}, {cfg.micro_batches_per_rank(world)} micro-batches per rank, attention "
+              f"{resolve_impl(cfg.sparse.sparse_attn_impl, device) if cfg.sparse.sparse_attention else 'dense'}, "
+              f"DST {cfg.dst.dst_anchor} (p={cfg.dst.dst_p}), batching {cfg.batching.batching}, "
+              f"latency model {type(latency).__name__}", flush=True)
+
+    metrics = Metrics(cfg, start, is_logger=rank == dist.get_world_size() - 1)
+    sigterm = _Sigterm()
+    skipped = nan_iters = in_a_row = 0
+    last_saved = start if resume is not None else None
+
+    def save(iteration):
+        nonlocal last_saved
+        save_checkpoint(ck.save, iteration, trainer.model, trainer.optimizer, common={
+            "config": cfg.to_dict(), "scheduler": trainer.scheduler.state_dict(), "sampler": sampler.state_dict(),
+            "latency": latency.calibration_state(),
+        })
+        last_saved = iteration
+
+    timeline_iters = set(cfg.logging.timeline_iters or ())
+    for iteration in range(start + 1, cfg.training.train_iters + 1):
+        t0 = time.perf_counter()
+        plan = sampler.next_plan()
+        lengths = [[plan.micro_batch_lengths(r, j) for j in range(plan.num_micro_batches)] for r in range(dp)]
+        step = trainer.train_step(lengths, sampler.micro_batches(dataset, plan, dp_rank))
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        m = step.metrics
+        if m is not None:
+            per_rank = [m.budgets[r * plan.num_micro_batches:(r + 1) * plan.num_micro_batches] for r in range(dp)]
+            sampler.update(plan, per_rank)
+        if step.skipped:
+            skipped += 1
+            in_a_row += 1
+            nan_iters += 0 if math.isfinite(step.loss) else 1
+        else:
+            in_a_row = 0
+        flops = iteration_flops(cfg, [mb for rank_mbs in lengths for mb in rank_mbs], m.budgets if m else
+                                [cfg.sparse.moba_topk] * sum(len(r) for r in lengths))
+        metrics.record(iteration, sampler.consumed_samples, step, elapsed_ms, trainer.optimizer.param_groups[0]["lr"],
+                       flops, skipped, nan_iters)
+        if iteration in timeline_iters and m is not None and rank == 0 and log_dir:
+            m.write_trace(os.path.join(log_dir, f"timeline_iter{iteration:07d}.json"))
+        if in_a_row >= cfg.training.max_nonfinite_iters:
+            raise RuntimeError(f"{in_a_row} iterations in a row had a non-finite loss or gradient "
+                               f"(--max-nonfinite-iters {cfg.training.max_nonfinite_iters}); stopping")
+        stop = sigterm.any_rank(device)
+        exit_now = stop or (ck.exit_interval is not None and iteration % ck.exit_interval == 0)
+        if ck.save and (exit_now or (ck.save_interval and iteration % ck.save_interval == 0)):
+            save(iteration)
+        if exit_now:
+            if rank == 0:
+                print(f"exiting at iteration {iteration} ({'SIGTERM' if stop else '--exit-interval'})", flush=True)
+            break
+    else:
+        if ck.save and last_saved != cfg.training.train_iters and cfg.training.train_iters > start:
+            save(cfg.training.train_iters)
+    metrics.close()
+    if rank == 0 and log_dir:
+        with open(os.path.join(log_dir, "metrics.jsonl"), "a") as f:
+            for row in metrics.history:
+                f.write(json.dumps(row) + "\n")
+    return metrics.history
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    cfg = config_from_args(parser.parse_args(argv))
+    try:
+        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as exc:
+        # Every rank sees the same flags and fails here, before any process group: nobody hangs.
+        if int(os.environ.get("RANK", "0")) == 0:
+            parser.print_usage(sys.stderr)
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        pretrain(cfg)
+    except ValueError as exc:
+        # Set-up errors (a latency table for another run, overlong samples, ...) happen on every
+        # rank alike: report once and leave without waiting on anyone.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 2
+    if dist.is_initialized():
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Bodies of the multi-process pretrain tests (importable by spawned workers)."""
+from __future__ import annotations
+
+import json
+import os
+
+TINY = ["--model", "tiny", "--untie-embeddings-and-output-weights", "--mock-data", "--mock-length-distribution", "longtail",
+        "--seq-length", "1024", "--mock-samples", "512", "--mock-vocab-size", "64", "--global-batch-size", "4",
+        "--moba-block-size", "64", "--moba-topk", "4", "--sparse-attn-impl", "torch", "--lr", "3e-3", "--min-lr", "1e-4",
+        "--lr-decay-iters", "40"]
+
+
+def run(argv, out_path=None):
+    """One rank of ``pretrain`` with ``argv``; rank 0 writes the logged rows to ``out_path``."""
+    import torch.distributed as dist
+
+    from megatron_sparsebalance.config import parse_config
+    from megatron_sparsebalance.pretrain import pretrain
+
+    rows = pretrain(parse_config(argv))
+    if out_path and dist.get_rank() == dist.get_world_size() - 1:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+
+
+def interrupted_save(root):
+    """Save once, then crash in the middle of the next save: the first must stay the latest."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from megatron_sparsebalance.attention import SparseAttentionConfig
+    from megatron_sparsebalance.balance.dst import DSTConfig
+    from megatron_sparsebalance.training import checkpointing
+    from megatron_sparsebalance.training.model import MODEL_PRESETS
+    from megatron_sparsebalance.training.trainer import OptimSettings, Trainer
+
+    t = Trainer(MODEL_PRESETS["tiny"], SparseAttentionConfig(moba_block_size=64, sparse_attn_impl="torch"),
+                DSTConfig(anchor="none", k_base=2), OptimSettings(lr=1e-3, min_lr=1e-4), 256)
+    checkpointing.save_checkpoint(root, 2, t.model, t.optimizer, {})
+    real_save = dist_checkpointing.save
+
+    def dies_midway(state, path, *a, **k):
+        real_save({"model": state["model"]}, path, *a, **k)  # some shards are on disk ...
+        raise RuntimeError("node lost")  # ... and then the job dies
+
+    checkpointing.dist_checkpointing.save = dies_midway
+    try:
+        checkpointing.save_checkpoint(root, 4, t.model, t.optimizer, {})
+    except RuntimeError:
+        pass
+    finally:
+        checkpointing.dist_checkpointing.save = real_save
+    assert os.path.isdir(checkpointing.iteration_dir(root, 4))
+    assert checkpointing.latest_checkpoint(root) == checkpointing.iteration_dir(root, 2)
+    with torch.no_grad():
+        for p in t.model.parameters():
+            p.add_(1.0)
+    with open(os.path.join(root, checkpointing.LATEST), "w") as f:  # a stale pointer to the torn one
+        f.write("4\n")
+    try:
+        checkpointing.latest_checkpoint(root)
+    except ValueError as exc:
+        assert "not a complete checkpoint" in str(exc)
+    else:
+        raise AssertionError("a torn checkpoint was accepted")

@@ -1,0 +1,134 @@
+"""The pretrain entry point: training, exact resume, checkpoints, logs, and errors on bad input."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests import pretrain_cases
+from tests.distributed import run_workers
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+def test_pp2_loss_falls_and_logs_parse(tmp_path):
+    out, tb = str(tmp_path / "rows.json"), str(tmp_path / "tb")
+    argv = pretrain_cases.TINY + PP2 + ["--train-iters", "10", "--tensorboard-dir", tb, "--log-dir", str(tmp_path)]
+    run_workers(pretrain_cases.run, world=2, pp=2, args=(argv, out))
+    rows = json.load(open(out))
+    losses = [r["loss"] for r in rows]
+    assert len(losses) == 10 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
+    assert all(r["imbalance"] >= 1.0 and 0.0 <= r["bubble"] < 1.0 and r["tflops_per_gpu"] > 0 for r in rows)
+    config = json.load(open(tmp_path / "config.json"))
+    assert config["parallel"]["pipeline_model_parallel_size"] == 2 and config["dst"]["dst_anchor"] == "mean"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb)
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    for tag in ("train/loss", "train/imbalance", "train/bubble", "train/mean_budget", "train/tflops_per_gpu"):
+        assert tag in scalars
+    assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
+
+
+def test_iteration_line_parses():
+    from megatron_sparsebalance.config import parse_config
+    from megatron_sparsebalance.pretrain import Metrics
+
+    m = Metrics(parse_config(["--train-iters", "100"]), 0, is_logger=False)
+    row = dict(iteration=7, consumed_samples=112, elapsed_ms=1234.5, tflops_per_gpu=321.0, lr=3e-4, loss=2.5, grad_norm=1.25,
+               skipped=0, nan=0, imbalance=1.34, bubble=0.12, predicted_ms=1000.0, measured_ms=1100.0, mean_budget=24.5,
+               mean_coverage=0.93)
+    line = m.line(row, 65.0)
+    fields = dict(part.strip().rsplit(":", 1) for part in line.split("|")[1:] if ":" in part)
+    assert fields["lm loss"].strip() == "2.500000E+00" and float(fields["imbalance"]) == 1.34
+    assert re.search(r"iteration\s+7/\s+100", line) and "bubble: 12.0%" in line and "mean budget: 24.5" in line
+    assert "step time predicted/measured (ms): 1000.0/1100.0" in line and "ETA: 00:01:05" in line
+
+
+def test_resume_is_bitwise_identical(tmp_path):
+    base = pretrain_cases.TINY + PP2
+    straight, first, second = (str(tmp_path / n) for n in ("straight.json", "first.json", "second.json"))
+    run_workers(pretrain_cases.run, world=2, pp=2, args=(base + ["--train-iters", "12"], straight))
+    ck = str(tmp_path / "ck")
+    run_workers(pretrain_cases.run, world=2, pp=2,
+                args=(base + ["--train-iters", "12", "--save", ck, "--exit-interval", "6"], first))
+    assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read().strip() == "6"
+    run_workers(pretrain_cases.run, world=2, pp=2, args=(base + ["--train-iters", "12", "--load", ck], second))
+    a = [r["loss"] for r in json.load(open(straight))]
+    b = [r["loss"] for r in json.load(open(first))] + [r["loss"] for r in json.load(open(second))]
+    assert len(a) == len(b) == 12
+    assert a == b  # bitwise: same data order, budgets, optimizer state and RNG after the resume
+
+
+def test_interrupted_checkpoint_is_not_the_latest(tmp_path):
+    run_workers(pretrain_cases.interrupted_save, world=1, args=(str(tmp_path),))
+
+
+def run_pretrain(args, nproc=1):
+    """The CLI as a user runs it; returns (exit code, stderr)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megatron_sparsebalance.pretrain", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0",
+               "-m", "megatron_sparsebalance.pretrain", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    return p.returncode, p.stderr
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--dst-anchor", "avg"], "--dst-anchor must be one of"),
+    (["--dst-p", "1.5"], r"--dst-p must be in \[0, 1\]"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], "--global-batch-size .6. must be divisible"),
+    (["--moba-topk", "64"], "--moba-topk .64. is larger than a sequence can use"),
+    (["--pipeline-model-parallel-size", "3"], "world size 1 is not divisible by .* = 3"),
+    (["--latency-table", "/nonexistent.json"], "--latency-table /nonexistent.json: no such file"),
+])
+def test_bad_flags_name_the_flag(extra, match):
+    rc, err = run_pretrain(pretrain_cases.TINY + ["--train-iters", "1"] + extra)
+    assert rc == 2 and re.search(match, err), err
+
+
+def test_missing_data_path_and_tokenizer(tmp_path):
+    no_mock = [a for a in pretrain_cases.TINY if a != "--mock-data"]
+    rc, err = run_pretrain(no_mock + ["--train-iters", "1"])
+    assert rc == 2 and "--data-path is required" in err, err
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    rc, err = run_pretrain(no_mock + ["--train-iters", "1", "--data-path", str(data)])
+    assert rc == 2 and "--tokenizer-model" in err, err
+
+
+def test_world_not_divisible_by_pipeline_exits_on_every_rank():
+    rc, err = run_pretrain(pretrain_cases.TINY + ["--train-iters", "1", "--model", "tiny", "--num-layers", "4",
+                                                  "--pipeline-model-parallel-size", "4"], nproc=2)
+    assert rc != 0 and "world size 2 is not divisible" in err, err
+
+
+def test_latency_table_of_another_model_is_refused(tmp_path):
+    from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, latency_metadata
+    from megatron_sparsebalance.training.model import MODEL_PRESETS
+
+    table = str(tmp_path / "t.json")
+    other = MODEL_PRESETS["qwen2.5-0.5b"]
+    AnalyticLatencyModel(other, 1, block_size=64, metadata=latency_metadata(other, 64, 1, "float32", "torch", gpu="cpu")).save(table)
+    rc, err = run_pretrain(pretrain_cases.TINY + ["--train-iters", "1", "--latency-table", table])
+    assert rc == 2 and "model_shape" in err and "--latency-table-force" in err, err
+
+
+def test_overlong_samples_without_truncation(tmp_path):
+    import torch
+
+    from megatron_sparsebalance.data.datasets import write_indexed_dataset
+
+    prefix = str(tmp_path / "docs")
+    write_indexed_dataset(prefix, [torch.randint(1, 60, (n,)) for n in (300, 2000, 500, 100)], vocab_size=64)
+    no_mock = [a for a in pretrain_cases.TINY if a != "--mock-data"]
+    rc, err = run_pretrain(no_mock + ["--train-iters", "1", "--data-path", prefix, "--overlong-samples", "error"])
+    assert rc == 2 and "--seq-length" in err and "--overlong-samples" in err, err
