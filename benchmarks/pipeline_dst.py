@@ -58,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--tag", default=None, help="results file suffix (default: from the GPU count)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--trace-dir", default=None, help="where the Chrome traces go (default: --out)")
     return p.parse_args(argv)
 
 
@@ -84,7 +85,7 @@ def global_batches(args, vocab: int, dp: int):
 def main(argv=None):
     args = parse_args(argv)
     enable_cpu_megatron()
-    init_distributed(pipeline_parallel_size=args.pp)
+    init_distributed(pipeline_parallel_size=args.pp, seed=args.seed)
     on_gpu = torch.cuda.is_available()
     shape = MODEL_PRESETS[args.model]
     if args.num_layers:
@@ -107,16 +108,22 @@ def main(argv=None):
                   impl=resolve_impl(args.sparse_attn_impl, device), rows=[])
 
     if args.check_megatron:
+        # fp32 and the torch attention path (the Triton/CUDA kernels are bf16/fp16), so the two
+        # schedules must agree to fp32 rounding; packs of up to 4K tokens keep the fp32 path small.
         from megatron_sparsebalance.pipeline.oracle import compare_with_megatron
         from megatron_sparsebalance.training.model import build_gpt_model, transformer_config
         from megatron_sparsebalance.training.step import stage_flags
 
-        cfg = transformer_config(shape, pipeline_parallel_size=args.pp)  # fp32: equality to fp32 tolerance
+        cfg = transformer_config(shape, pipeline_parallel_size=args.pp)
         cfg.moe_token_dispatcher_type = "alltoall"
         torch.manual_seed(args.seed)
-        model = build_gpt_model(shape, sparse, cfg, args.seq_length, **stage_flags()).to(device)
-        check = batches[0][parallel_state.get_data_parallel_rank()][:4]
-        diff = compare_with_megatron(model, cfg, check, shape.hidden_size, budget=args.moba_topk)
+        check_sparse = SparseAttentionConfig(moba_block_size=args.moba_block_size, moba_topk=4, sparse_attn_impl="torch")
+        model = build_gpt_model(shape, check_sparse, cfg, args.seq_length, **stage_flags()).to(device)
+        gen = torch.Generator().manual_seed(args.seed)
+        check = [pack_sequences([torch.randint(1, min(shape.vocab_size, 1000), (min(n, args.seq_length),), generator=gen) for n in lengths],
+                                [torch.ones(min(n, args.seq_length)) for n in lengths])
+                 for lengths in ([1500, 700], [4000], [300, 300, 900], [2100])]
+        diff = compare_with_megatron(model, cfg, check, shape.hidden_size, budget=4)
         diffs = [None] * dist.get_world_size()
         dist.all_gather_object(diffs, diff)
         result["megatron_check"] = diffs
@@ -126,6 +133,9 @@ def main(argv=None):
         if on_gpu:
             torch.cuda.empty_cache()
 
+    tag = args.tag or (f"h200x{dist.get_world_size()}" if on_gpu else "cpu")
+    if rank0:
+        os.makedirs(args.trace_dir or args.out, exist_ok=True)
     for anchor in args.anchors:
         if args.latency_table:
             latency = LatencyModel.load(args.latency_table)
@@ -150,7 +160,7 @@ def main(argv=None):
                                      budgets=m.budgets, micro_batch_ms=m.micro_batch_ms, predicted_ms=m.predicted_ms,
                                      loss=step.loss, dst_ms=step.dst_ms))
                 if it == args.warmup and rank0:
-                    m.write_trace(os.path.join(args.out, f"trace_{anchor}.json"))
+                    m.write_trace(os.path.join(args.trace_dir or args.out, f"trace_{tag}_{anchor}.json"))
         result["rows"].append(dict(
             dst_anchor=anchor,
             imbalance=statistics.median(r["imbalance"] for r in measured),
@@ -167,7 +177,6 @@ def main(argv=None):
     for r in result["rows"]:
         r["speedup"] = base["iter_ms"] / r["iter_ms"] if base else None
     if rank0:
-        tag = args.tag or (f"h200x{dist.get_world_size()}" if on_gpu else "cpu")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"pipeline_dst_{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)

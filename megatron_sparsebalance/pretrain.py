@@ -199,7 +199,7 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
         raise ValueError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)")
     enable_cpu_megatron()
     init_distributed(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
-                     cfg.parallel.distributed_backend)
+                     cfg.parallel.distributed_backend, seed=cfg.data.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(cfg.data.seed)
     rank, dp_rank = dist.get_rank(), parallel_state.get_data_parallel_rank()

@@ -47,4 +47,4 @@ def test_pipeline_benchmark_runs_on_cpu(tmp_path):
         assert all(it["loss"] == it["loss"] for it in r["iterations"])  # never NaN
     assert res["rows"][0]["mean_budget"] == 4
     assert all(d["max_grad_diff"] <= 1e-6 * max(1.0, d["max_grad"]) for d in res["megatron_check"])
-    assert (tmp_path / "trace_mean.json").exists()
+    assert (tmp_path / "trace_cpu_mean.json").exists()

@@ -20,6 +20,8 @@ def compare_with_megatron(model, config, batches, hidden_size: int, budget: int)
     ``config`` is the model's ``TransformerConfig``; megatron-core needs
     ``variable_seq_lengths=True`` for packs of different lengths, which is set here.
     """
+    device = next(model.parameters()).device
+    batches = [b.to(device) for b in batches]
     results = {}
     for name in ("megatron", "ours"):
         model.zero_grad(set_to_none=True)

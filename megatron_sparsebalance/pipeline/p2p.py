@@ -29,14 +29,18 @@ class StageLinks:
         return torch.empty(shape, dtype=self.dtype, device=self.device, requires_grad=False)
 
     def _exchange(self, send: Optional[torch.Tensor], send_to, recv_shape, recv_from) -> Optional[torch.Tensor]:
-        works, received = [], None
+        # One batch: NCCL runs separately issued p2p ops in order on one stream, so two stages
+        # that each post "receive, then send" to the other would both wait forever; a batch
+        # (ncclGroupStart/End) lets the pair proceed together. gloo accepts the same call.
+        ops, received = [], None
         if recv_shape is not None and recv_from is not None:
             received = self._empty(recv_shape)
-            works.append(dist.irecv(received, src=recv_from))
+            ops.append(dist.P2POp(dist.irecv, received, recv_from))
         if send is not None and send_to is not None:
-            works.append(dist.isend(send.detach().contiguous(), dst=send_to))
-        for w in works:
-            w.wait()
+            ops.append(dist.P2POp(dist.isend, send.detach().contiguous(), send_to))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
         return received
 
     def recv_forward(self, shape) -> Optional[torch.Tensor]:

@@ -27,6 +27,10 @@ _PATCHED_MODULES = (
     "megatron.core.utils",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.exchange_utils",
 )
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like")
 _MARKER = "_sparsebalance_cpu_torch"

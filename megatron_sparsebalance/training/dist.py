@@ -15,10 +15,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, backend: str = "auto") -> None:
+def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, backend: str = "auto",
+                     seed: int = 1234) -> None:
     """``init_process_group`` from torchrun's env (or a single local process) plus Megatron's groups.
 
-    ``backend='auto'`` is NCCL when CUDA is available, else gloo.
+    ``backend='auto'`` is NCCL when CUDA is available, else gloo. On a GPU this also seeds
+    megatron-core's CUDA RNG tracker, which its layers need to initialize their weights.
     """
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -32,6 +34,10 @@ def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
         dist.init_process_group(backend, rank=rank, world_size=world)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+        if torch.cuda.is_available():
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_distributed() -> None:
