@@ -24,7 +24,7 @@ $(STAMP): $(NATIVE_SRC)
 install: $(STAMP)
 
 demo: install
-	$(VPY) -m megatron_sparsebalance.training.demo
+	$(VPY) -m megatron_sparsebalance.demo
 
 # The CPU suite (CI). pytest exits 5 when it collected no test: that is a failure here.
 test: install

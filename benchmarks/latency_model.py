@@ -212,7 +212,12 @@ def parse_args(argv=None):
     p.add_argument("--heldout-iters", type=int, default=3)
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop measuring held-out micro-batches after this many seconds of the whole run")
+    p.add_argument("--profile-time-budget-s", type=float, default=None,
+                   help="stop profiling longer lengths after this many seconds (the table then extrapolates)")
     p.add_argument("--seed", type=int, default=20260)
+    p.add_argument("--replay", default=None, metavar="DIR",
+                   help="re-predict the held-out measurements recorded in DIR (latency_table_<tag>.json, "
+                        "latency_model_<tag>[_heldout].json) with the current code; no GPU needed")
     p.add_argument("--tag", default=None, help="results file suffix (default: h200 on an H200, else the device)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or "benchmarks/results")
     return p.parse_args(argv)
@@ -220,6 +225,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.replay:
+        return replay(args)
     t_start = time.perf_counter()
     tool = _load_profiler_tool()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -247,7 +254,8 @@ def main(argv=None) -> dict:
         print(f"loaded {args.profile}")
     else:
         table = tool.profile(profiler, args.lengths, args.budgets, args.warmup, args.iters,
-                             pipeline_parallel_size=args.pipeline_model_parallel_size)
+                             pipeline_parallel_size=args.pipeline_model_parallel_size,
+                             time_budget_s=args.profile_time_budget_s)
         tool.save_profile(table, os.path.join(args.out_dir, f"latency_table_{tag}.json"))
     t_profiled = time.perf_counter()
 
@@ -255,71 +263,130 @@ def main(argv=None) -> dict:
         profiler.shape, args.layers_per_stage, block_size=args.moba_block_size,
         hardware="h200" if device.type == "cuda" else "cpu", dtype_bytes=2 if profiler.bf16 else 4,
     )
+    rng = random.Random(args.seed)
+    batches = heldout_batches(rng, args.heldout, args.min_tokens, args.max_tokens, args.max_budget, args.moba_block_size)
+
+    def measure(n, lengths, k):
+        if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
+            raise StopIteration
+        try:
+            return profiler.measure(lengths, k, warmup=1, iters=args.heldout_iters)
+        except torch.cuda.OutOfMemoryError:
+            print(f"[{n:3d}/{len(batches)}] {lengths} k={k}: out of GPU memory, skipped")
+            torch.cuda.empty_cache()
+            return None
+
+    records, result = evaluate(table, analytic, batches, measure)
+    result["gpu"] = gpu
+    result["setup"] = {
+        "model": args.model, "layers_per_stage": args.layers_per_stage, "stage": "middle (no embedding, no output layer)",
+        "block_size": args.moba_block_size, "attention_impl": impl, "impl_skipped": skipped,
+        "dtype": str(profiler.dtype), "torch": torch.__version__,
+        "grid": {"lengths": table.lengths, "budgets": table.budgets, "warmup": args.warmup, "iters": args.iters},
+        "heldout": {"tokens": [args.min_tokens, args.max_tokens], "budgets": [1, args.max_budget],
+                    "iters": args.heldout_iters, "seed": args.seed},
+        "seconds": {"profile": round(t_profiled - t_start, 1), "total": round(time.perf_counter() - t_start, 1)},
+        "command": "python -m benchmarks.latency_model " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    write_results(args.out_dir, tag, table, records, result)
+    return result
+
+
+def evaluate(table: ProfiledLatencyModel, analytic: AnalyticLatencyModel, batches, measure):
+    """Predict every held-out ``(lengths, k)`` with every model, then get its time from
+    ``measure(n, lengths, k)`` (None: skip it; StopIteration: stop). Calibrated models predict
+    before they observe, as in training. Returns the records and the summary."""
     grid = [([L], k, table.total_ms[j][i]) for j, L in enumerate(table.lengths) for i, k in enumerate(table.budgets)]
     length_only = AffineModel.fit(lambda lengths, k: float(sum(lengths)), grid)
     flop_only = AffineModel.fit(analytic.flops, grid)
-    profiled_cal = LatencyModel.from_dict(table.to_dict())
-    analytic_cal = LatencyModel.from_dict(analytic.to_dict())
     models = {"profiled": table, "analytic": analytic, "length_only": length_only, "flop_only": flop_only}
-
-    rng = random.Random(args.seed)
-    batches = heldout_batches(rng, args.heldout, args.min_tokens, args.max_tokens, args.max_budget, args.moba_block_size)
+    calibrated = {"profiled_calibrated": LatencyModel.from_dict(table.to_dict()),
+                  "analytic_calibrated": LatencyModel.from_dict(analytic.to_dict())}
     records = []
     for n, (lengths, k) in enumerate(batches, 1):
-        if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
+        pred = {name: m.predict(lengths, k) for name, m in {**models, **calibrated}.items()}
+        try:
+            ms = measure(n, lengths, k)
+        except StopIteration:
             print(f"time budget reached: {len(records)} of {len(batches)} held-out micro-batches measured")
             break
-        pred = {name: m.predict(lengths, k) for name, m in models.items()}
-        pred["profiled_calibrated"] = profiled_cal.predict(lengths, k)
-        pred["analytic_calibrated"] = analytic_cal.predict(lengths, k)
-        ms = profiler.measure(lengths, k, warmup=1, iters=args.heldout_iters)
-        profiled_cal.observe(lengths, k, ms)
-        analytic_cal.observe(lengths, k, ms)
-        records.append({"lengths": lengths, "k": k, "measured_ms": ms, "predicted_ms": pred})
+        if ms is None:
+            continue
+        for m in calibrated.values():
+            m.observe(lengths, k, ms)
+        records.append({"lengths": list(lengths), "k": k, "measured_ms": ms, "predicted_ms": pred})
         print(f"[{n:3d}/{len(batches)}] {len(lengths)} seq, {sum(lengths):6d} tokens, k={k:2d}: measured {ms:8.2f} ms, "
               + ", ".join(f"{name} {v:8.2f}" for name, v in pred.items()), flush=True)
-
     meas = [r["measured_ms"] for r in records]
-    names = list(models) + ["profiled_calibrated", "analytic_calibrated"]
-    summary = {name: summarize([r["predicted_ms"][name] for r in records], meas) for name in names}
+    summary = {name: summarize([r["predicted_ms"][name] for r in records], meas) for name in [*models, *calibrated]}
     single = [r for r in records if len(r["lengths"]) == 1]
     packed = [r for r in records if len(r["lengths"]) > 1]
     cold_us, warm_us = predict_cost_us(table, [(r["lengths"], r["k"]) for r in records])
     result = {
-        "gpu": gpu,
+        "gpu": None,
         "n_heldout": len(records),
         "predict_us": round(cold_us, 2),
         "predict_us_warm": round(warm_us, 2),
         "models": summary,
         "profiled_by_kind": {
-            "single": summarize([r["predicted_ms"]["profiled"] for r in single], [r["measured_ms"] for r in single]) if single else None,
-            "packed": summarize([r["predicted_ms"]["profiled"] for r in packed], [r["measured_ms"] for r in packed]) if packed else None,
+            kind: summarize([r["predicted_ms"]["profiled"] for r in rs], [r["measured_ms"] for r in rs]) if rs else None
+            for kind, rs in (("single", single), ("packed", packed))
         },
-        "setup": {
-            "model": args.model, "layers_per_stage": args.layers_per_stage, "stage": "middle (no embedding, no output layer)",
-            "block_size": args.moba_block_size, "attention_impl": impl, "impl_skipped": skipped,
-            "dtype": str(profiler.dtype), "torch": torch.__version__,
-            "grid": {"lengths": table.lengths, "budgets": table.budgets, "warmup": args.warmup, "iters": args.iters},
-            "heldout": {"tokens": [args.min_tokens, args.max_tokens], "budgets": [1, args.max_budget],
-                        "iters": args.heldout_iters, "seed": args.seed},
-            "baselines": {"length_only": {"a_ms": length_only.a, "b_ms_per_token": length_only.b},
-                          "flop_only": {"a_ms": flop_only.a, "b_ms_per_flop": flop_only.b}},
-            "seconds": {"profile": round(t_profiled - t_start, 1), "total": round(time.perf_counter() - t_start, 1)},
-            "command": "python -m benchmarks.latency_model " + " ".join(argv if argv is not None else sys.argv[1:]),
+        # short micro-batches are bound by host overhead and jitter; long ones by the GPU
+        "profiled_by_tokens": {
+            f"{lo}-{hi}": summarize([r["predicted_ms"]["profiled"] for r in rs], [r["measured_ms"] for r in rs]) | {"n": len(rs)}
+            for lo, hi in ((0, 6000), (6000, 20000), (20000, 1 << 30))
+            if (rs := [r for r in records if lo <= sum(r["lengths"]) < hi])
         },
+        "baselines": {"length_only": {"a_ms": length_only.a, "b_ms_per_token": length_only.b},
+                      "flop_only": {"a_ms": flop_only.a, "b_ms_per_flop": flop_only.b}},
     }
-    with open(os.path.join(args.out_dir, f"latency_model_{tag}.json"), "w") as f:
+    return records, result
+
+
+def replay(args) -> dict:
+    """Re-predict recorded held-out measurements with the current code (no GPU needed): how a
+    model revision is scored on the measurements of an earlier run. Says so in the results."""
+    prefix = os.path.join(args.replay, "latency_model_" + (args.tag or "h200"))
+    with open(prefix + ".json") as f:
+        before = json.load(f)
+    with open(prefix + "_heldout.json") as f:
+        recorded = json.load(f)
+    table_path = os.path.join(args.replay, "latency_table_" + (args.tag or "h200") + ".json")
+    table = ProfiledLatencyModel.load(table_path)
+    meta = table.metadata
+    analytic = AnalyticLatencyModel(meta["model_shape"], meta["layers_per_stage"], block_size=meta["block_size"],
+                                    hardware="h200" if "H200" in meta["gpu"] else "cpu",
+                                    dtype_bytes=2 if meta["dtype"] in ("bfloat16", "float16") else 4)
+    times = {(tuple(r["lengths"]), r["k"], i): r["measured_ms"] for i, r in enumerate(recorded)}
+    batches = [(r["lengths"], r["k"]) for r in recorded]
+    records, result = evaluate(table, analytic, batches, lambda n, lengths, k: times[(tuple(lengths), k, n - 1)])
+    result["gpu"] = before["gpu"]
+    result["setup"] = before.get("setup", {})
+    result["evaluation"] = {
+        "mode": "replay: the recorded measurements of the run in setup, re-predicted by the current code",
+        # the figures the recorded run itself printed (kept through repeated replays)
+        "previous_models": before["evaluation"]["previous_models"] if "evaluation" in before else before["models"],
+        "command": "python -m benchmarks.latency_model --replay " + args.replay,
+    }
+    write_results(args.out_dir, args.tag or "h200", table, records, result)
+    return result
+
+
+def write_results(out_dir: str, tag: str, table, records, result) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"latency_model_{tag}.json"), "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
-    with open(os.path.join(args.out_dir, f"latency_model_{tag}_heldout.json"), "w") as f:
+    with open(os.path.join(out_dir, f"latency_model_{tag}_heldout.json"), "w") as f:
         json.dump(records, f)
-    plot(os.path.join(args.out_dir, f"latency_model_{tag}.png"), table, records,
+    plot(os.path.join(out_dir, f"latency_model_{tag}.png"), table, records,
          ["profiled", "analytic", "length_only", "flop_only"])
-    print(f"\n{gpu}: {len(records)} held-out micro-batches; predict {cold_us:.1f} us (cold), {warm_us:.1f} us (warm)")
+    print(f"\n{result['gpu']}: {len(records)} held-out micro-batches; predict {result['predict_us']:.1f} us (cold), "
+          f"{result['predict_us_warm']:.1f} us (warm)")
     print(f"{'model':22s} {'median':>8s} {'p90':>8s} {'max':>8s}")
-    for name, s in summary.items():
+    for name, s in result["models"].items():
         print(f"{name:22s} {s['median_rel_err']:8.2%} {s['p90_rel_err']:8.2%} {s['max_rel_err']:8.2%}")
-    return result
 
 
 if __name__ == "__main__":

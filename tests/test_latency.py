@@ -77,6 +77,24 @@ def test_packs_follow_the_decomposition():
     assert m.predict([12000], 8) <= m.predict([12000], 12) <= m.predict([12000], 16)
 
 
+def test_pack_attention_follows_total_work():
+    # A pack's sparse attention is one kernel over all its sequences' block pairs, so it costs
+    # what one sequence with the same pairs costs; a table whose attention is concave in work
+    # (under-filled GPU at small sizes) must not charge that floor once per sequence.
+    def g(pairs):
+        return 3.0 * math.sqrt(pairs)
+
+    total = [[C0 + C1 * L + g(attention_block_pairs(L, k, B)) for k in BUDGETS] for L in LENGTHS]
+    attention = [[g(attention_block_pairs(L, k, B)) for k in BUDGETS] for L in LENGTHS]
+    m = ProfiledLatencyModel(LENGTHS, BUDGETS, total, attention, B)
+    # at k=1 a sequence of L tokens has L/B pairs: two 4K sequences = one 8K sequence of work
+    assert m.predict([4096, 4096], 1) == pytest.approx(m.predict([8192], 1), rel=1e-12)
+    assert m.predict([4096, 4096], 1) == pytest.approx(C0 + C1 * 8192 + g(64), rel=1e-12)
+    # and the sum of separate sequences over-charges it
+    separate = m.predict([4096], 1) + m.predict([4096], 1) - (C0 + C1 * 4096)
+    assert separate > m.predict([4096, 4096], 1) * 1.05
+
+
 def _check_monotone(model, rng, lo=200, hi=100_000, trials=150):
     ks = list(range(1, 70))
     for _ in range(trials):
@@ -95,6 +113,12 @@ def _check_monotone(model, rng, lo=200, hi=100_000, trials=150):
 
 def test_monotone_in_k_and_length_profiled():
     _check_monotone(synthetic_table(), random.Random(1))
+
+
+def test_monotone_on_concave_table():
+    total = [[C0 + C1 * L + 3.0 * math.sqrt(attention_block_pairs(L, k, B)) for k in BUDGETS] for L in LENGTHS]
+    attention = [[3.0 * math.sqrt(attention_block_pairs(L, k, B)) for k in BUDGETS] for L in LENGTHS]
+    _check_monotone(ProfiledLatencyModel(LENGTHS, BUDGETS, total, attention, B), random.Random(7))
 
 
 def test_monotone_on_noisy_table():

@@ -76,7 +76,7 @@ def run_pretrain(args, nproc=1):
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_sparsebalance.pretrain", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                "-m", "megatron_sparsebalance.pretrain", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     return p.returncode, p.stderr

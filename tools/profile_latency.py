@@ -24,7 +24,6 @@ Example (H200, Qwen2.5-0.5B with PP=4: 6 layers per stage):
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -54,10 +53,6 @@ computation: the tool measures one of them and copies it, which saves most of th
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DEFAULT_BUDGETS = (1, 4, 8, 16, 24, 32, 48, 64)
-
-
-def _now_ms(device: torch.device) -> float:
-    return time.perf_counter() * 1e3
 
 
 class StageProfiler:
@@ -96,6 +91,12 @@ class StageProfiler:
         enable_cpu_megatron()
         init_distributed()
         torch.manual_seed(seed)
+        if self.device.type == "cuda":
+            # Megatron initialises weights on the GPU under its tensor-parallel RNG tracker,
+            # which must be seeded first (as Megatron-LM's initialize does).
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed)
         self.sparse = SparseAttentionConfig(moba_block_size=block_size, sparse_attn_impl=self.impl).validate()
         config = transformer_config(self.shape, bf16=self.bf16, num_layers=layers_per_stage)
         self.model = build_gpt_model(
@@ -213,8 +214,14 @@ def profile(
     pipeline_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
     log=print,
+    time_budget_s: Optional[float] = None,
 ) -> ProfiledLatencyModel:
-    """Measure the grid and return the table as a model (its ``profile`` info in ``model.profile_info``)."""
+    """Measure the grid and return the table as a model (its ``profile`` info in ``model.profile_info``).
+
+    Lengths are measured shortest first. A length that runs out of GPU memory, or any length
+    after ``time_budget_s`` has passed, is dropped with all longer ones (said in the log and in
+    ``profile_info``): the table then extrapolates there.
+    """
     lengths, budgets = sorted(set(lengths)), sorted(set(budgets))
     B, nl = profiler.block_size, profiler.layers_per_stage
     t_start = time.perf_counter()
@@ -231,16 +238,24 @@ def profile(
     # cost weight of a point, to show an honest ETA (long sequences dominate)
     weights = {p: lengths[p[0]] * (1 + min(budgets[p[1]], lengths[p[0]] / B) * B / 4096) for p in points}
     done_weight, all_weight = 0.0, sum(weights.values())
+    dropped = None
     for n, (j, i) in enumerate(points, 1):
         L, k = lengths[j], budgets[i]
+        if i == 0 and time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
+            dropped = (j, f"time budget of {time_budget_s:.0f} s spent")
+            break
         blocks = -(-L // B)
         if i > 0 and budgets[i - 1] >= blocks:
             # k >= blocks of the sequence: the same (dense) computation as the previous budget
             total[j][i], attention[j][i] = total[j][i - 1], attention[j][i - 1]
             src = "copied"
         else:
-            total[j][i] = profiler.measure([L], k, warmup, iters)
-            a = profiler.measure_attention([L], k, warmup, iters)
+            try:
+                total[j][i] = profiler.measure([L], k, warmup, iters)
+                a = profiler.measure_attention([L], k, warmup, iters)
+            except torch.cuda.OutOfMemoryError:
+                dropped = (j, f"out of GPU memory at L={L}, k={k}")
+                break
             attention[j][i] = max(0.0, nl * (a - attn_fixed))
             src = "measured"
         done_weight += weights[(j, i)]
@@ -248,6 +263,14 @@ def profile(
         eta = elapsed * (all_weight - done_weight) / max(done_weight, 1e-9)
         log(f"[{n:3d}/{len(points)}] L={L:6d} k={k:3d}: stage {total[j][i]:9.3f} ms, attention "
             f"{attention[j][i]:9.3f} ms ({src}); elapsed {elapsed:6.1f} s, eta {eta:6.1f} s", flush=True)
+    if dropped is not None:
+        j, why = dropped
+        if j == 0:
+            raise RuntimeError(f"nothing profiled: {why}")
+        log(f"{why}: dropping lengths {lengths[j:]}; the table extrapolates beyond {lengths[j - 1]}", flush=True)
+        lengths, total, attention = lengths[:j], total[:j], attention[:j]
+        if profiler.device.type == "cuda":
+            torch.cuda.empty_cache()
     meta = profiler.metadata(pipeline_parallel_size, tensor_parallel_size)
     common = {"metadata": meta}
     if candidates is not None:
@@ -257,6 +280,7 @@ def profile(
         "warmup": warmup, "iters": iters, "attention_fixed_ms_per_layer": attn_fixed,
         "seconds": round(time.perf_counter() - t_start, 2), "torch": torch.__version__,
         "timer": "cuda_events" if profiler.device.type == "cuda" else "wall_clock",
+        "dropped": None if dropped is None else dropped[1],
     }
     return model
 

@@ -18,13 +18,15 @@ Both split a micro-batch into the same two parts, because that is how the work s
 * a **dense part** that depends only on the pack's total tokens ``T`` (QKV/output projections,
   MLP, norms, the output layer, and the fixed per-micro-batch cost: kernel launches, weights
   read, the attention's own launch overhead), and
-* an **attention part** summed over the pack's sequences, each depending on its length ``L`` and
-  ``k``: blocks never cross sequence boundaries, so a pack of sequences costs the sum of its
-  sequences' block pairs, not ``T^2``.
+* an **attention part** driven by the pack's block pairs at ``k``: blocks never cross sequence
+  boundaries, so the work is the sum of the sequences' block pairs, not ``T^2``. The analytic
+  model charges each pair at a fixed rate; the profiled model maps the pack's total pairs
+  through the measured time-versus-work curve, because the attention is one kernel launch over
+  the whole pack: a short sequence alone under-fills the GPU, inside a pack it does not.
 
-The shape of the attention part is :func:`attention_block_pairs`: query block ``i`` (1-based)
-attends ``min(k, i)`` blocks, so the cost is ~``L^2/(2B)`` while ``L/B <= k`` and ~``k*L``
-after; the profiled model interpolates and extrapolates along that shape.
+The shape of the work is :func:`attention_block_pairs`: query block ``i`` (1-based) attends
+``min(k, i)`` blocks, so it grows ~``L^2/(2B)`` while ``L/B <= k`` and ~``k*L`` after; the
+profiled model interpolates and extrapolates along that shape.
 """
 from __future__ import annotations
 
@@ -549,20 +551,27 @@ class ProfiledLatencyModel(LatencyModel):
       since that cost is paid once per pack, not once per sequence.
 
     From those the model keeps ``dense[j] = median_i(total - attention)`` (a function of tokens
-    only) and ``attn[j][i] = total[j][i] - dense[j]``, so a single sequence at a grid point is
-    predicted exactly (``dense + attn = total``), and a pack is
-    ``dense(sum L) + sum_seq attn(L, k)``: the decomposition this module is built on.
+    only) and ``attn[j][i] = total[j][i] - dense[j]``, read as a curve of attention time against
+    work ``P = attention_block_pairs(L_j, k_i)`` for each profiled budget ``k_i``. A pack is
+
+        ``dense(sum L) + attn_k(sum_seq attention_block_pairs(L_s, k))``
+
+    so a single sequence at a grid point is predicted exactly (``dense + attn = total``), and a
+    pack pays the attention's latency floor once, as its single kernel launch does. (Summing
+    isolated per-sequence attention times instead over-predicted packs by a median 21% on the
+    H200: docs/LATENCY.md.)
 
     Interpolation, chosen so the prediction is monotone by construction:
 
-    * in length, piecewise-linear in ``attention_block_pairs(L, k_i)`` (the cost's shape: ~L^2
-      while ``L/B <= k``, linear after) for ``attn``, and in tokens for ``dense``;
+    * in work, piecewise-linear in block pairs for ``attn`` (the cost's shape: ~L^2 while
+      ``L/B <= k``, linear after), and in tokens for ``dense``;
     * in budget, linear in ``k`` between the two profiled budgets around it (weights that do not
-      depend on ``L``);
-    * outside the profiled range (with one logged warning per kind): ``attn`` scales with
-      ``attention_block_pairs`` from the nearest profiled length (down to 0 at ``L = 0``),
-      ``dense`` continues its end segment's slope, budgets beyond the largest scale with
-      ``attention_block_pairs``, budgets below the smallest go linearly to 0 at ``k = 0``.
+      depend on the lengths);
+    * outside the profiled range (with one logged warning per kind): beyond the longest profiled
+      work, ``attn`` continues its last segment's slope per block pair, below the shortest it
+      scales down to 0 at no work; ``dense`` continues its end segments' slopes; budgets beyond
+      the largest add their extra block pairs at the largest budget's marginal rate, budgets
+      below the smallest go linearly to 0 at ``k = 0``.
 
     The dense part is the median over budgets of ``total - attention`` (robust to one disturbed
     point), and the table is made monotone on load (isotonic regression along ``k``, then ``L``),
@@ -598,9 +607,10 @@ class ProfiledLatencyModel(LatencyModel):
                 raise ValueError(f"{name} must be [{nL} lengths][{nK} budgets]")
             if any(not math.isfinite(v) or v < 0 for row in table for v in row):
                 raise ValueError(f"{name} holds negative or non-finite times")
-        self._build()
         self._warned: set = set()
         self._cache: dict = {}
+        self._pairs_cache: dict = {}
+        self._build()
 
     def _build(self) -> None:
         nL, nK = len(self.lengths), len(self.budgets)
@@ -619,8 +629,17 @@ class ProfiledLatencyModel(LatencyModel):
         self._dense = dense
         self._attn = attn
         B = self.block_size
-        # x-coordinates of the length interpolation, per budget column
+        # x-coordinates of the interpolation (block pairs of work), per budget column
         self._pairs = [[attention_block_pairs(L, k, B) for L in self.lengths] for k in self.budgets]
+        self._attn_cols = [[attn[j][i] for j in range(nL)] for i in range(nK)]
+        # ms per extra block pair beyond the profiled work: the last segment's slope (the GPU is
+        # saturated there); the average rate of the largest point where that segment is flat
+        self._slope_hi = []
+        for xs, ys in zip(self._pairs, self._attn_cols):
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if nL >= 2 and xs[-1] > xs[-2] else 0.0
+            if slope <= 0.0:
+                slope = ys[-1] / xs[-1] if xs[-1] > 0 else 0.0
+            self._slope_hi.append(slope)
         if nL >= 2:
             self._dense_slope_lo = (dense[1] - dense[0]) / (self.lengths[1] - self.lengths[0])
             self._dense_slope_hi = (dense[-1] - dense[-2]) / (self.lengths[-1] - self.lengths[-2])
@@ -646,53 +665,71 @@ class ProfiledLatencyModel(LatencyModel):
         w = (total_tokens - Ls[j - 1]) / (Ls[j] - Ls[j - 1])
         return dense[j - 1] + w * (dense[j] - dense[j - 1])
 
-    def _columns(self, length: int) -> list:
-        """The attention part of one sequence at every profiled budget.
+    def _pair_vector(self, length: int) -> list:
+        """Block pairs of one sequence at every profiled budget (cached: a run's lengths repeat)."""
+        v = self._pairs_cache.get(length)
+        if v is None:
+            B = self.block_size
+            v = [attention_block_pairs(length, k, B) for k in self.budgets]
+            if len(self._pairs_cache) >= 65536:
+                self._pairs_cache.clear()
+            self._pairs_cache[length] = v
+        return v
 
-        Each budget's column interpolates in length along its own shape (block pairs at that
-        budget); two shapes can cross between grid lengths, so the columns are then made
-        non-decreasing across budgets. Cached per length: DST asks for the same sequences at
-        many budgets (``align`` bisects over them).
-        """
-        cols = self._cache.get(length)
-        if cols is not None:
-            return cols
-        Ls, attn, pairs, Ks, B = self.lengths, self._attn, self._pairs, self.budgets, self.block_size
-        if length > Ls[-1]:
-            self._warn_once("len_hi", f"a sequence of {length} tokens, beyond the profiled {Ls[-1]}")
-            cols = [attn[-1][i] * attention_block_pairs(length, k, B) / pairs[i][-1] for i, k in enumerate(Ks)]
-        elif length < Ls[0]:
-            # Short sequences are common and the shape down to zero is known: no warning.
-            cols = [attn[0][i] * attention_block_pairs(length, k, B) / pairs[i][0] for i, k in enumerate(Ks)]
-        else:
-            j = bisect.bisect_left(Ls, length)
-            if Ls[j] == length:
-                cols = list(attn[j])
-            else:
-                lo_row, hi_row = attn[j - 1], attn[j]
-                cols = []
-                for i, k in enumerate(Ks):
-                    p_lo, p_hi = pairs[i][j - 1], pairs[i][j]
-                    w = (attention_block_pairs(length, k, B) - p_lo) / (p_hi - p_lo) if p_hi > p_lo else 0.0
-                    cols.append(lo_row[i] + w * (hi_row[i] - lo_row[i]))
-        for i in range(1, len(cols)):
+    def _column(self, i: int, pairs: float) -> float:
+        """Attention ms of budget column ``i`` for ``pairs`` block pairs of work."""
+        xs, ys = self._pairs[i], self._attn_cols[i]
+        if pairs >= xs[-1]:
+            if pairs == xs[-1]:
+                return ys[-1]
+            self._warn_once("len_hi", f"{pairs:.0f} block pairs at k={self.budgets[i]}, beyond the profiled {xs[-1]:.0f} "
+                                      f"(a sequence of {self.lengths[-1]} tokens)")
+            return ys[-1] + self._slope_hi[i] * (pairs - xs[-1])
+        if pairs <= xs[0]:
+            # Short sequences are common and the shape down to zero work is known: no warning.
+            return ys[0] * pairs / xs[0]
+        j = bisect.bisect_left(xs, pairs)
+        if xs[j] == pairs:
+            return ys[j]
+        lo, hi = xs[j - 1], xs[j]
+        if hi <= lo:
+            return ys[j]
+        return ys[j - 1] + (pairs - lo) / (hi - lo) * (ys[j] - ys[j - 1])
+
+    def _pack_columns(self, lengths: tuple) -> tuple:
+        """The pack's attention ms at every profiled budget (non-decreasing across budgets) and
+        its block pairs at every profiled budget. Cached per pack: ``align`` bisects over
+        budgets on the same pack."""
+        hit = self._cache.get(lengths)
+        if hit is not None:
+            return hit
+        nK = len(self.budgets)
+        total = [0.0] * nK
+        for n in lengths:
+            v = self._pair_vector(n)
+            for i in range(nK):
+                total[i] += v[i]
+        cols = [self._column(i, total[i]) for i in range(nK)]
+        # each column follows its own budget's shape; two shapes can cross between grid points
+        for i in range(1, nK):
             if cols[i] < cols[i - 1]:
                 cols[i] = cols[i - 1]
-        if len(self._cache) >= 65536:  # bounded: the lengths of a long run are many
+        if len(self._cache) >= 65536:  # bounded: the packs of a long run are many
             self._cache.clear()
-        self._cache[length] = cols
-        return cols
+        self._cache[lengths] = hit = (cols, total)
+        return hit
 
-    def _attention_ms(self, length: int, k: int) -> float:
+    def _pack_attention_ms(self, lengths: tuple, k: int) -> float:
         Ks = self.budgets
-        cols = self._columns(length)
+        cols, pairs = self._pack_columns(lengths)
         if k >= Ks[-1]:
             if k == Ks[-1]:
                 return cols[-1]
             self._warn_once("k_hi", f"budget {k} beyond the profiled {Ks[-1]}")
+            # the extra block pairs of the larger budget at the largest budget's marginal rate
             B = self.block_size
-            ref = attention_block_pairs(length, Ks[-1], B)
-            return cols[-1] * attention_block_pairs(length, k, B) / ref if ref > 0 else cols[-1]
+            extra = sum(attention_block_pairs(n, k, B) for n in lengths) - pairs[-1]
+            return cols[-1] + self._slope_hi[-1] * max(0.0, extra)
         if k <= Ks[0]:
             if k == Ks[0]:
                 return cols[0]
@@ -703,6 +740,16 @@ class ProfiledLatencyModel(LatencyModel):
             return cols[i]
         w = (k - Ks[i - 1]) / (Ks[i] - Ks[i - 1])
         return cols[i - 1] + w * (cols[i] - cols[i - 1])
+
+    def _attention_ms(self, length: int, k: int) -> float:
+        return self._pack_attention_ms((length,), k)
+
+    def predict_raw(self, lengths: Sequence[int], k: int) -> float:
+        """Uncalibrated ms: ``dense(total tokens) + attention(total block pairs of the pack)``."""
+        seqs = tuple(n for n in lengths if n > 0)
+        if not seqs:
+            return 0.0
+        return self._dense_ms(sum(seqs)) + self._pack_attention_ms(seqs, k)
 
     def _params(self) -> dict:
         return {

@@ -1,0 +1,82 @@
+"""``make demo``: the fixed-budget baseline against SparseBalance, side by side, in real runs.
+
+Launches ``megatron_sparsebalance.pretrain`` twice under torchrun on long-tailed mock data: first
+``--dst-anchor none --batching none`` (MoBA at a fixed budget, samples in arrival order: the
+paper's baseline), then ``--dst-anchor mean --batching sab`` (SparseBalance), and prints the
+median iteration time, imbalance, bubble and mean budget of each. Without a GPU it runs a tiny
+model with PP=2 over gloo on the CPU; with GPUs, the Qwen2.5-0.5B architecture with one pipeline
+stage per GPU (up to 4).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+
+def run_args(on_gpu: bool, pp: int, iters: int) -> list:
+    if on_gpu:
+        model = ["--model", "qwen2.5-0.5b", "--bf16", "--seq-length", "32768", "--moba-block-size", "128",
+                 "--moba-topk", "32", "--mock-vocab-size", "32000"]
+    else:
+        model = ["--model", "tiny", "--num-layers", str(2 * pp), "--untie-embeddings-and-output-weights",
+                 "--seq-length", "4096", "--moba-block-size", "64", "--moba-topk", "8", "--mock-vocab-size", "512",
+                 "--sparse-attn-impl", "torch"]
+    return model + ["--pipeline-model-parallel-size", str(pp), "--mock-data", "--mock-length-distribution", "longtail",
+                    "--mock-samples", "2048", "--global-batch-size", str(4 * pp), "--micro-batch-size", "1",
+                    "--train-iters", str(iters), "--lr", "1e-4", "--min-lr", "1e-5", "--log-interval", "1"]
+
+
+def launch(nproc: int, argv: list, log_dir: str) -> list:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "megatron_sparsebalance.pretrain", *argv, "--log-dir", log_dir]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
+    subprocess.run(cmd, check=True, env=env)
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def summarize(rows: list, warmup: int) -> dict:
+    rows = rows[warmup:] or rows
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    return dict(iter_ms=med("elapsed_ms"), imbalance=med("imbalance"), bubble=med("bubble"),
+                mean_budget=statistics.mean(r["mean_budget"] for r in rows), loss=rows[-1]["loss"])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=8, help="iterations per run (the first two are warm-up)")
+    args = p.parse_args(argv)
+    gpus = torch.cuda.device_count()
+    on_gpu = gpus >= 2
+    pp = min(gpus, 4) if on_gpu else 2
+    base = run_args(on_gpu, pp, args.iters)
+    configs = {
+        "baseline (fixed budget, arrival order)": ["--dst-anchor", "none", "--batching", "none"],
+        "SparseBalance (DST mean, p=0.1 + SAB)": ["--dst-anchor", "mean", "--dst-p", "0.1", "--batching", "sab"],
+    }
+    print(f"demo: {'GPU' if on_gpu else 'CPU (gloo)'} run, PP={pp}, long-tailed mock data\n", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, extra) in enumerate(configs.items()):
+            print(f"=== {name}", flush=True)
+            results[name] = summarize(launch(pp, base + extra, os.path.join(tmp, str(i))), warmup=2)
+    base_ms = next(iter(results.values()))["iter_ms"]
+    print(f"\n{'configuration':42s} {'iter ms':>9s} {'imbalance':>10s} {'bubble':>8s} {'budget':>7s} {'speedup':>8s}")
+    for name, r in results.items():
+        print(f"{name:42s} {r['iter_ms']:9.1f} {r['imbalance']:10.3f} {100 * r['bubble']:7.1f}% {r['mean_budget']:7.1f} "
+              f"{base_ms / r['iter_ms']:7.2f}x")
+    if not on_gpu:
+        print("\n(CPU timings are noisy: two processes share two cores. The figures to trust are the GPU ones in "
+              "docs/BENCHMARKS.md.)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
