@@ -38,8 +38,8 @@ def draw(ax, events, title):
     ax.set_yticklabels([f"stage {p}" + (f" / dp {t}" if len({r[1] for r in rows}) > 1 else "") for p, t in rows])
     ax.invert_yaxis()
     end = max(e["ts"] + e["dur"] for e in events) / 1e3
-    ax.set_xlim(0, end * 1.01)
     ax.set_title(f"{title}: {end:.1f} ms")
+    return end
     ax.set_xlabel("ms since the iteration started")
 
 
@@ -56,8 +56,8 @@ def main(argv=None):
     traces = [(os.path.basename(t).removesuffix(".json"), load_trace(t)) for t in args.traces]
     fig, axes = plt.subplots(len(traces), 1, figsize=(14, 1.2 + 0.9 * max(len({(e['pid'], e['tid']) for e in ev}) for _, ev in traces) * len(traces)),
                              sharex=True, squeeze=False)
-    for ax, (name, events) in zip(axes[:, 0], traces):
-        draw(ax, events, name)
+    ends = [draw(ax, events, name) for ax, (name, events) in zip(axes[:, 0], traces)]
+    axes[0, 0].set_xlim(0, max(ends) * 1.01)  # shared x: the longest trace sets the extent
     fig.tight_layout()
     fig.savefig(args.out, dpi=130)
     print(f"wrote {args.out}")
