@@ -2,7 +2,7 @@
 
 The run's configuration is a handful of dataclasses, each owned by the module it configures
 (``SparseAttentionConfig`` by the attention, ``DataConfig`` by the data, ``BatchingConfig`` by
-SAB, ``OptimSettings`` by the trainer, ``DPCommConfig`` by the outer sync) plus the groups below. Flags are generated from the
+SAB, ``OptimSettings`` by the trainer) plus the groups below. Flags are generated from the
 fields in kebab-case with Megatron-LM's names and conventions (a bool that defaults to False is
 ``--flag``, one that defaults to True is ``--no-flag``); each field's docstring is its help.
 :meth:`SparseBalanceConfig.validate` checks everything before any process group or model exists,
@@ -26,7 +26,6 @@ from megatron_sparsebalance.balance.dst import ANCHORS, DSTConfig
 from megatron_sparsebalance.balance.sab import BatchingConfig
 from megatron_sparsebalance.data.datasets import DataConfig
 from megatron_sparsebalance.training.model import MODEL_PRESETS, ModelShape
-from megatron_sparsebalance.training.outer_sync import DPCommConfig
 from megatron_sparsebalance.training.trainer import OptimSettings
 
 
@@ -154,7 +153,7 @@ class LoggingFlags:
 GROUPS = {
     "model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "optim": OptimSettings,
     "data": DataConfig, "batching": BatchingConfig, "sparse": SparseAttentionConfig, "dst": DSTFlags,
-    "latency": LatencyFlags, "checkpoint": CheckpointFlags, "logging": LoggingFlags, "dp_comm": DPCommConfig,
+    "latency": LatencyFlags, "checkpoint": CheckpointFlags, "logging": LoggingFlags,
 }
 
 
@@ -171,7 +170,6 @@ class SparseBalanceConfig:
     latency: LatencyFlags = field(default_factory=LatencyFlags)
     checkpoint: CheckpointFlags = field(default_factory=CheckpointFlags)
     logging: LoggingFlags = field(default_factory=LoggingFlags)
-    dp_comm: DPCommConfig = field(default_factory=DPCommConfig)
 
     # ---- derived ---------------------------------------------------------------------------
 
@@ -203,10 +201,6 @@ class SparseBalanceConfig:
         self.batching.validate(self.data.seq_length)
         self.sparse.validate()
         self.dst_config().validate()
-        self.dp_comm.validate()
-        if self.dp_comm.local_steps and self.optim.use_distributed_optimizer:
-            raise ValueError(f"--dp-comm {self.dp_comm.dp_comm} keeps a full optimizer per replica: "
-                             "--use-distributed-optimizer is not allowed with it")
         par, tr = self.parallel, self.training
         if par.tensor_model_parallel_size != 1:
             raise ValueError("--tensor-model-parallel-size > 1 is not supported yet (use PP and DP); got "
