@@ -6,9 +6,11 @@ rank computes the same plan):
 1. **Weights.** A sample's weight is its predicted cost in a pack at the budget DST is expected to
    give it: the :class:`SparsityEstimator` keeps, per length bin, an EMA of the budgets DST
    actually used (starting at ``k_base``). The weight is the *marginal* cost of the sequence in a
-   pack, ``predict([L, L], k) - predict([L], k)``, so a micro-batch's predicted time is
-   ``overhead + sum(weights)`` exactly for the latency model's pack decomposition (one fixed cost
-   per pack, not one per sequence; see balance/latency.py). ``--batching lbb`` weighs by length,
+   pack, ``predict([L, L], k) - predict([L], k)``, so the fixed cost is counted once per pack, not
+   once per sequence: a micro-batch's predicted time is ``overhead + sum(weights)`` exactly for the
+   analytic model (additive over sequences) and approximately for the profiled one, which reads a
+   pack's attention from its total block pairs (balance/latency.py). Planned loads are always
+   re-predicted from the whole pack. ``--batching lbb`` weighs by length,
    ``none`` keeps arrival order.
 2. **Two-level partition.** The DP ranks first (balanced total weight, each rank with at least
    as many samples as it has micro-batches and at most as many tokens as they can hold), then
