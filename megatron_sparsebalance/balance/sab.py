@@ -9,8 +9,8 @@ rank computes the same plan):
    pack, ``predict([L, L], k) - predict([L], k)``, so the fixed cost is counted once per pack, not
    once per sequence: a micro-batch's predicted time is ``overhead + sum(weights)`` exactly for the
    analytic model (additive over sequences) and approximately for the profiled one, which reads a
-   pack's attention from its total block pairs (balance/latency.py). Planned loads are always
-   re-predicted from the whole pack. ``--batching lbb`` weighs by length,
+   pack's attention from its total block pairs (balance/latency.py). ``BatchPlan.loads`` are
+   ``overhead + sum(weights)``. ``--batching lbb`` weighs by length,
    ``none`` keeps arrival order.
 2. **Two-level partition.** The DP ranks first (balanced total weight, each rank with at least
    as many samples as it has micro-batches and at most as many tokens as they can hold), then
