@@ -1,0 +1,95 @@
+"""A model of the 1F1B schedule: iteration time from per-stage micro-batch costs.
+
+Replays the exact operation order of ``pipeline/schedule.py`` (stage ``s``: ``P - s - 1`` warm-up
+forwards, then one forward and one backward alternately, then the remaining backwards) as a
+dependency graph: a forward needs the previous stage's forward of the same micro-batch, a
+backward the next stage's backward (the last stage: its own forward), each stage runs its
+operations in order, one at a time. Data-parallel replicas run side by side and the iteration
+ends with the slowest (the gradient all-reduce waits for it), plus ``allreduce_ms``.
+
+Used to predict what a plan will cost before running it (cluster sizes we cannot rent), to
+compute the ideal speedup a balancer could reach for given costs, and checked against measured
+runs (``tools/simulate_pipeline.py --replay``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass
+class SimResult:
+    iteration_ms: float
+    stage_busy_ms: list
+    bubble: list
+    spans: list  # (stage, kind, micro_batch, start_ms, end_ms)
+
+
+def one_f_one_b_order(pp: int, stage: int, m: int) -> list:
+    """The operations of ``stage`` in execution order: ``[("F", i) | ("B", i), ...]``."""
+    warmup = min(pp - stage - 1, m)
+    ops = [("F", i) for i in range(warmup)]
+    f, b = warmup, 0
+    while f < m:
+        ops += [("F", f), ("B", b)]
+        f, b = f + 1, b + 1
+    ops += [("B", i) for i in range(b, m)]
+    return ops
+
+
+def simulate_1f1b(forward_ms: Sequence[Sequence[float]], backward_ms: Sequence[Sequence[float]],
+                  p2p_ms: float = 0.0) -> SimResult:
+    """One pipeline: ``forward_ms[s][i]`` / ``backward_ms[s][i]`` for stage ``s``, micro-batch ``i``."""
+    pp, m = len(forward_ms), len(forward_ms[0])
+    if pp < 1 or m < 1 or len(backward_ms) != pp or any(len(r) != m for r in (*forward_ms, *backward_ms)):
+        raise ValueError("forward_ms and backward_ms must both be [stages][micro-batches], non-empty")
+    orders = [one_f_one_b_order(pp, s, m) for s in range(pp)]
+    done = {}  # (kind, stage, i) -> end time
+    pos, free = [0] * pp, [0.0] * pp
+    spans = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(pp):
+            if pos[s] == len(orders[s]):
+                continue
+            kind, i = orders[s][pos[s]]
+            if kind == "F":
+                dep = None if s == 0 else ("F", s - 1, i)
+            else:
+                dep = ("F", s, i) if s == pp - 1 else ("B", s + 1, i)
+            if dep is not None and dep not in done:
+                continue
+            ready = 0.0 if dep is None else done[dep] + (p2p_ms if dep[1] != s else 0.0)
+            start = max(free[s], ready)
+            end = start + (forward_ms if kind == "F" else backward_ms)[s][i]
+            done[(kind, s, i)] = free[s] = end
+            spans.append((s, kind, i, start, end))
+            pos[s] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:  # cannot happen for a valid 1F1B order; guards against a bad edit
+            raise RuntimeError("1F1B dependency cycle in the simulator")
+    total = max(free)
+    busy = [sum(e - b for st, _, _, b, e in spans if st == s) for s in range(pp)]
+    return SimResult(total, busy, [1.0 - x / total for x in busy], spans)
+
+
+def simulate_iteration(stage_ms_per_replica: Sequence[Sequence[Sequence[float]]], backward_share: float = 2 / 3,
+                       p2p_ms: float = 0.0, allreduce_ms: float = 0.0) -> float:
+    """Iteration time of DP replicas, each ``[stage][micro-batch] -> forward+backward ms``.
+
+    ``backward_share`` splits a micro-batch's stage time into backward and forward (2/3: the
+    backward does twice the forward's matrix work).
+    """
+    times = []
+    for replica in stage_ms_per_replica:
+        fwd = [[t * (1 - backward_share) for t in stage] for stage in replica]
+        bwd = [[t * backward_share for t in stage] for stage in replica]
+        times.append(simulate_1f1b(fwd, bwd, p2p_ms).iteration_ms)
+    return max(times) + allreduce_ms
+
+
+def uniform_stages(micro_batch_ms: Sequence[float], pp: int) -> list:
+    """``[stage][micro-batch]`` costs when every stage costs the same for a micro-batch."""
+    return [list(micro_batch_ms) for _ in range(pp)]

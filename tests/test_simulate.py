@@ -1,0 +1,58 @@
+"""The 1F1B simulator against hand-computed schedules and against the schedule's own order."""
+import pytest
+
+from megatron_sparsebalance.pipeline.simulate import one_f_one_b_order, simulate_1f1b, simulate_iteration, uniform_stages
+
+
+def test_equal_costs_give_the_textbook_time():
+    # P stages, M micro-batches, forward f and backward b everywhere: (M + P - 1) * (f + b)
+    for pp, m in [(1, 3), (2, 4), (4, 8), (4, 2)]:
+        res = simulate_1f1b([[1.0] * m] * pp, [[2.0] * m] * pp)
+        assert res.iteration_ms == pytest.approx((m + pp - 1) * 3.0)
+        assert res.bubble[0] == pytest.approx(1 - m * 3.0 / ((m + pp - 1) * 3.0))
+
+
+def test_one_straggler_costs_it_on_every_stage():
+    # PP=2, M=3, one micro-batch 5x slower: the 1F1B critical path by hand.
+    f = [[1, 5, 1], [1, 5, 1]]
+    b = [[2, 10, 2], [2, 10, 2]]
+    # stage1: F0 1-2, B0 2-4, F1 6-11 (waits for stage0 F1 at 1-6), B1 11-21, F2 21-22 (stage0 F2 done at 8), B2 22-24
+    # stage0: F0 0-1, F1 1-6, B0 6-8, F2 8-9, B1 21-31, B2 31-33
+    assert simulate_1f1b(f, b).iteration_ms == pytest.approx(33.0)
+
+
+def test_order_matches_the_schedule():
+    assert one_f_one_b_order(4, 0, 6) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1),
+                                          ("F", 5), ("B", 2), ("B", 3), ("B", 4), ("B", 5)]
+    assert one_f_one_b_order(4, 3, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    assert one_f_one_b_order(4, 1, 1) == [("F", 0), ("B", 0)]  # fewer micro-batches than stages
+
+
+def test_balancing_lowers_the_simulated_time():
+    skewed = [10, 1, 1, 1, 1, 1, 1, 10]
+    balanced = [3.25] * 8
+    assert sum(skewed) == sum(balanced)
+    t_skew = simulate_iteration([uniform_stages(skewed, 4)])
+    t_bal = simulate_iteration([uniform_stages(balanced, 4)])
+    assert t_bal < t_skew
+    assert simulate_iteration([uniform_stages(balanced, 4), uniform_stages(skewed, 4)]) == t_skew  # slowest replica
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="forward_ms and backward_ms"):
+        simulate_1f1b([[1.0, 2.0]], [[1.0]])
+
+
+def test_replay_reproduces_a_textbook_run(tmp_path):
+    """tools/simulate_pipeline.py --replay on a result file whose times follow 1F1B exactly."""
+    import json
+
+    from tools.simulate_pipeline import replay
+
+    pp, m, t = 2, 4, 3.0  # each micro-batch: 3 ms per stage -> 6 ms summed over stages
+    result = {"pp": pp, "dp": 1, "rows": [{"dst_anchor": "none", "iterations": [
+        {"micro_batch_ms": [t * pp] * m, "iteration_ms": (m + pp - 1) * t}]}]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    (row,) = replay([str(path)])
+    assert row["simulated_ms"] == pytest.approx((m + pp - 1) * t) and row["rel_err"] == pytest.approx(0.0)

@@ -1,0 +1,128 @@
+"""Simulate SparseBalance's pipeline for clusters we cannot rent, and check the model on runs we made.
+
+Two modes:
+
+* ``--replay FILE...``: each measured iteration of ``benchmarks/pipeline_dst.py`` results is
+  replayed through the 1F1B model (``pipeline/simulate.py``) from its measured micro-batch times
+  (forward+backward summed over stages, split evenly over stages, 1/3 forward, 2/3 backward);
+  prints simulated against measured iteration time.
+* predict (default): for DP x PP clusters of ``--gpus`` GPUs (``TP`` x ``PP`` x ``DP``), draws
+  global batches of ``--micro-batches`` micro-batches of ``--micro-batch-size`` samples per DP
+  replica from ``--dist``, plans them as each configuration would (batching none / lbb / sab, DST
+  none / mean, using the latency model: ``--latency-table`` or the analytic model) and simulates
+  the iteration. DST here is unconstrained by the coverage bound ``p`` (the router's scores do not
+  exist in a simulation), so its rows are the ideal DST can reach for these costs.
+
+    python tools/simulate_pipeline.py --replay benchmarks/results/pipeline_dst_h200x2_longtail.json
+    python tools/simulate_pipeline.py --model qwen2.5-3b --pp 4 --tp 2 --gpus 32 64 128 256 512 1024 \\
+        --dist bimodal --latency-table benchmarks/results/latency_table_h200.json --out sim.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+
+from megatron_sparsebalance.balance.dst import DSTConfig, plan_budgets
+from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, LatencyModel
+from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
+from megatron_sparsebalance.data.distributions import sample_lengths
+from megatron_sparsebalance.pipeline.simulate import simulate_iteration, uniform_stages
+from megatron_sparsebalance.training.model import MODEL_PRESETS
+
+CONFIGS = {  # name: (batching, dst anchor)
+    "baseline": ("none", "none"), "lbb": ("lbb", "none"), "sab": ("sab", "none"), "dst": ("none", "mean"),
+    "sab+dst": ("sab", "mean"),
+}
+
+
+def replay(paths) -> list:
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        pp = res["pp"]
+        for r in res["rows"]:
+            for it in r["iterations"]:
+                per_stage = [t / pp for t in it["micro_batch_ms"]]
+                m = len(per_stage) // res["dp"]
+                replicas = [uniform_stages(per_stage[d * m:(d + 1) * m], pp) for d in range(res["dp"])]
+                sim = simulate_iteration(replicas)
+                rows.append(dict(file=path, anchor=r["dst_anchor"], measured_ms=it["iteration_ms"], simulated_ms=sim,
+                                 rel_err=abs(sim - it["iteration_ms"]) / it["iteration_ms"]))
+    return rows
+
+
+def predict(args, latency) -> list:
+    rows = []
+    for gpus in args.gpus:
+        if gpus % (args.tp * args.pp):
+            raise SystemExit(f"--gpus {gpus} is not a multiple of --tp x --pp = {args.tp * args.pp}")
+        dp = gpus // (args.tp * args.pp)
+        rng = np.random.default_rng(args.seed)
+        batches = [sample_lengths(args.dist, dp * args.micro_batches * args.micro_batch_size, args.seq_length, rng).tolist()
+                   for _ in range(args.iters)]
+        times = {}
+        for name, (batching, anchor) in CONFIGS.items():
+            batcher = SparsityAwareBatcher(batching, dp, args.micro_batches, latency_model=latency, k_base=args.moba_topk)
+            per_iter = []
+            for lengths in batches:
+                plan = batcher.plan(lengths)
+                mbs = plan.all_micro_batch_lengths()
+                budgets = plan_budgets(mbs, latency, DSTConfig(anchor=anchor, p=None, k_base=args.moba_topk)).budgets
+                cost = [latency.predict(mb, k) for mb, k in zip(mbs, budgets)]
+                m = args.micro_batches
+                per_iter.append(simulate_iteration([uniform_stages(cost[d * m:(d + 1) * m], args.pp) for d in range(dp)]))
+            times[name] = statistics.mean(per_iter)
+        for name, t in times.items():
+            rows.append(dict(gpus=gpus, dp=dp, pp=args.pp, tp=args.tp, dist=args.dist, config=name, iter_ms=t,
+                             speedup=times["baseline"] / t))
+        print(f"{gpus:5d} GPUs (DP={dp:3d}): " + "  ".join(f"{n} {times['baseline'] / t:.3f}x" for n, t in times.items()),
+              flush=True)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replay", nargs="+", default=None, help="benchmarks/pipeline_dst.py result files to replay")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="qwen2.5-0.5b")
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--gpus", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024])
+    p.add_argument("--dist", default="longtail")
+    p.add_argument("--seq-length", type=int, default=65536)
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per DP replica and iteration")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--moba-block-size", type=int, default=128)
+    p.add_argument("--moba-topk", type=int, default=32)
+    p.add_argument("--latency-table", default=None)
+    p.add_argument("--iters", type=int, default=5, help="global batches averaged per cluster size")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    if args.replay:
+        rows = replay(args.replay)
+        for r in rows:
+            print(f"{r['file'].split('/')[-1]:45s} {r['anchor']:6s} measured {r['measured_ms']:8.1f} ms  "
+                  f"simulated {r['simulated_ms']:8.1f} ms  error {100 * r['rel_err']:5.1f}%")
+        errs = [r["rel_err"] for r in rows]
+        print(f"median error {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}% over {len(errs)} iterations")
+    else:
+        shape = MODEL_PRESETS[args.model]
+        if args.latency_table:
+            latency = LatencyModel.load(args.latency_table)
+        else:
+            latency = AnalyticLatencyModel(shape, shape.num_layers // args.pp, block_size=args.moba_block_size,
+                                           hardware="h200", tensor_parallel_size=args.tp)
+        rows = predict(args, latency)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"mode": "replay" if args.replay else "predict", "args": vars(args), "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)
