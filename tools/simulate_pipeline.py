@@ -64,7 +64,7 @@ def predict(args, latency) -> list:
         dp = gpus // (args.tp * args.pp)
         rng = np.random.default_rng(args.seed)
         batches = [sample_lengths(args.dist, dp * args.micro_batches * args.micro_batch_size, args.seq_length, rng).tolist()
-                   for _ in range(args.iters)]
+                   for _ in range(args.warmup + args.iters)]
         times = {}
         for name, (batching, anchor) in CONFIGS.items():
             batcher = SparsityAwareBatcher(batching, dp, args.micro_batches, latency_model=latency, k_base=args.moba_topk)
@@ -75,8 +75,10 @@ def predict(args, latency) -> list:
                 budgets = plan_budgets(mbs, latency, DSTConfig(anchor=anchor, p=None, k_base=args.moba_topk)).budgets
                 cost = [latency.predict(mb, k) for mb, k in zip(mbs, budgets)]
                 m = args.micro_batches
+                # As in pretrain: SAB's estimator learns the budgets DST gave, for the next batches.
+                batcher.update(plan, [budgets[d * m:(d + 1) * m] for d in range(dp)])
                 per_iter.append(simulate_iteration([uniform_stages(cost[d * m:(d + 1) * m], args.pp) for d in range(dp)]))
-            times[name] = statistics.mean(per_iter)
+            times[name] = statistics.mean(per_iter[args.warmup:])
         for name, t in times.items():
             rows.append(dict(gpus=gpus, dp=dp, pp=args.pp, tp=args.tp, dist=args.dist, config=name, iter_ms=t,
                              speedup=times["baseline"] / t))
@@ -100,6 +102,7 @@ def main(argv=None):
     p.add_argument("--moba-topk", type=int, default=32)
     p.add_argument("--latency-table", default=None)
     p.add_argument("--iters", type=int, default=5, help="global batches averaged per cluster size")
+    p.add_argument("--warmup", type=int, default=3, help="global batches first planned (SAB's estimator learns DST's budgets)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
