@@ -73,7 +73,8 @@ def test_interrupted_checkpoint_is_not_the_latest(tmp_path):
 
 def run_pretrain(args, nproc=1):
     """The CLI as a user runs it; returns (exit code, stderr)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_sparsebalance.pretrain", *args]
     else:

@@ -25,6 +25,11 @@ def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            # Not launched by torchrun: a world of one on a port of its own (an inherited
+            # MASTER_PORT may belong to the parent's still-open store).
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(free_port())
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         rank = int(os.environ.get("RANK", "0"))
