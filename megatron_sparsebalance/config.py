@@ -2,7 +2,7 @@
 
 The run's configuration is a handful of dataclasses, each owned by the module it configures
 (``SparseAttentionConfig`` by the attention, ``DataConfig`` by the data, ``BatchingConfig`` by
-SAB, ``OptimSettings`` by the trainer) plus the groups below. Flags are generated from the
+SAB, ``OptimSettings`` by the trainer, ``DPCommConfig`` by the outer sync) plus the groups below. Flags are generated from the
 fields in kebab-case with Megatron-LM's names and conventions (a bool that defaults to False is
 ``--flag``, one that defaults to True is ``--no-flag``); each field's docstring is its help.
 :meth:`SparseBalanceConfig.validate` checks everything before any process group or model exists,
@@ -26,6 +26,7 @@ from megatron_sparsebalance.balance.dst import ANCHORS, DSTConfig
 from megatron_sparsebalance.balance.sab import BatchingConfig
 from megatron_sparsebalance.data.datasets import DataConfig
 from megatron_sparsebalance.training.model import MODEL_PRESETS, ModelShape
+from megatron_sparsebalance.training.outer_sync import DPCommConfig
 from megatron_sparsebalance.training.trainer import OptimSettings
 
 
@@ -51,6 +52,9 @@ class ModelConfig:
     """RoPE theta (default: the preset's)."""
     untie_embeddings_and_output_weights: bool = False
     """Separate output layer (the 3B preset is untied already)."""
+    use_checkpoint_args: bool = False
+    """Take the architecture from the checkpoint of --load or --pretrained-checkpoint (recorded by
+    tools/convert_checkpoint.py or a previous run) instead of --model and the shape flags."""
 
     def shape(self) -> ModelShape:
         base = MODEL_PRESETS[self.model]
@@ -153,7 +157,7 @@ class LoggingFlags:
 GROUPS = {
     "model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "optim": OptimSettings,
     "data": DataConfig, "batching": BatchingConfig, "sparse": SparseAttentionConfig, "dst": DSTFlags,
-    "latency": LatencyFlags, "checkpoint": CheckpointFlags, "logging": LoggingFlags,
+    "latency": LatencyFlags, "checkpoint": CheckpointFlags, "logging": LoggingFlags, "dp_comm": DPCommConfig,
 }
 
 
@@ -170,8 +174,27 @@ class SparseBalanceConfig:
     latency: LatencyFlags = field(default_factory=LatencyFlags)
     checkpoint: CheckpointFlags = field(default_factory=CheckpointFlags)
     logging: LoggingFlags = field(default_factory=LoggingFlags)
+    dp_comm: DPCommConfig = field(default_factory=DPCommConfig)
 
     # ---- derived ---------------------------------------------------------------------------
+
+    def model_shape(self) -> ModelShape:
+        """The architecture of the run: the flags', or the checkpoint's with --use-checkpoint-args."""
+        if not self.model.use_checkpoint_args:
+            return self.model.shape()
+        from megatron.core import dist_checkpointing
+
+        from megatron_sparsebalance.training.checkpointing import latest_checkpoint
+
+        source = self.checkpoint.load or self.checkpoint.pretrained_checkpoint
+        path = latest_checkpoint(source) if source else None
+        if path is None:
+            raise ValueError("--use-checkpoint-args needs --load or --pretrained-checkpoint with a complete checkpoint"
+                             + (f" (none in {source})" if source else ""))
+        recorded = dist_checkpointing.load_common_state_dict(path).get("common", {}).get("model_shape")
+        if recorded is None:
+            raise ValueError(f"--use-checkpoint-args: {path} records no model_shape")
+        return ModelShape(**recorded)
 
     def dst_config(self) -> DSTConfig:
         return DSTConfig(anchor=self.dst.dst_anchor, p=self.dst.dst_p, k_base=self.sparse.moba_topk)
@@ -195,12 +218,17 @@ class SparseBalanceConfig:
 
     def validate(self, world_size: int) -> "SparseBalanceConfig":
         """Every check a run needs before process groups and models exist."""
-        self.model.validate()
+        if not self.model.use_checkpoint_args:
+            self.model.validate()
         self.optim.validate()
         self.data.validate()
         self.batching.validate(self.data.seq_length)
         self.sparse.validate()
         self.dst_config().validate()
+        self.dp_comm.validate()
+        if self.dp_comm.local_steps and self.optim.use_distributed_optimizer:
+            raise ValueError(f"--dp-comm {self.dp_comm.dp_comm} keeps a full optimizer per replica: "
+                             "--use-distributed-optimizer is not allowed with it")
         par, tr = self.parallel, self.training
         if par.tensor_model_parallel_size != 1:
             raise ValueError("--tensor-model-parallel-size > 1 is not supported yet (use PP and DP); got "
@@ -213,7 +241,7 @@ class SparseBalanceConfig:
         if world_size % model_parallel:
             raise ValueError(f"the world size {world_size} is not divisible by --tensor-model-parallel-size x "
                              f"--pipeline-model-parallel-size = {model_parallel}")
-        shape = self.model.shape()
+        shape = self.model_shape()
         if shape.num_layers % par.pipeline_model_parallel_size:
             raise ValueError(f"--num-layers ({shape.num_layers}) must be divisible by --pipeline-model-parallel-size "
                              f"({par.pipeline_model_parallel_size})")

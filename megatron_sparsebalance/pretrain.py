@@ -10,17 +10,19 @@ Launch with torchrun, with Megatron-LM's flag names plus ours::
 
 Per iteration: the sampler draws a global batch, SAB splits it over DP ranks and micro-batches,
 DST picks each micro-batch's budget from the latency model, our 1F1B schedule runs it, the
-measured times calibrate the latency model and the budgets used feed SAB's estimator.
+measured times calibrate the latency model and the budgets used feed SAB's estimator. With
+``--dp-comm diloco|sparseloco`` replicas step locally and meet every ``--outer-steps-interval``
+iterations (``training/outer_sync.py``); the bytes each replica sends are logged either way.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import signal
 import sys
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,10 +39,9 @@ from megatron_sparsebalance.config import SparseBalanceConfig, build_parser, con
 from megatron_sparsebalance.data.datasets import build_dataset
 from megatron_sparsebalance.data.sampler import GlobalBatchSampler
 from megatron_sparsebalance.ops.implementations import resolve_impl
-from megatron_sparsebalance.training.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_sparsebalance.training.checkpointing import latest_checkpoint, load_checkpoint, load_rank_file, save_checkpoint
 from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
 from megatron_sparsebalance.training.dist import init_distributed
-from megatron_sparsebalance.training.step import layers_per_stage
 from megatron_sparsebalance.training.trainer import Trainer
 
 try:
@@ -56,7 +57,7 @@ except ImportError:  # optional: only --tensorboard-dir needs it
 
 def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> LatencyModel:
     """The table of --latency-table (checked against this run) or the analytic model."""
-    shape = cfg.model.shape()
+    shape = cfg.model_shape()
     nl = shape.num_layers // cfg.parallel.pipeline_model_parallel_size
     common = {}
     if cfg.dst.dst_budgets is not None:
@@ -93,7 +94,7 @@ def iteration_flops(cfg: SparseBalanceConfig, micro_batch_lengths, budgets) -> f
     query head forward, times 3 for forward + backward; packs are summed per sequence, never
     as (total tokens)^2.
     """
-    s = cfg.model.shape()
+    s = cfg.model_shape()
     H, d, nq, ng, F = s.hidden_size, s.kv_channels, s.num_attention_heads, s.num_query_groups, s.ffn_hidden_size
     B = cfg.sparse.moba_block_size
     linear_per_layer = H * (nq + 2 * ng) * d + nq * d * H + 3 * H * F
@@ -116,7 +117,7 @@ class Metrics:
         self.writer = SummaryWriter(cfg.logging.tensorboard_dir) if (is_logger and cfg.logging.tensorboard_dir) else None
         self.history: list = []
 
-    def record(self, iteration, consumed, step, elapsed_ms, lr, flops, skipped_total, nan_total):
+    def record(self, iteration, consumed, step, elapsed_ms, lr, flops, skipped_total, nan_total, comm=None):
         m = step.metrics
         world = dist.get_world_size()
         row = dict(
@@ -131,6 +132,7 @@ class Metrics:
             mean_budget=sum(m.budgets) / len(m.budgets) if m and m.budgets else float("nan"),
             mean_coverage=sum(m.coverage) / len(m.coverage) if m and m.coverage else float("nan"),
             dst_ms=step.dst_ms,
+            **(comm or {}),
         )
         self.history.append(row)
         if self.writer is not None:
@@ -138,6 +140,9 @@ class Metrics:
                         "mean_coverage", "predicted_ms", "measured_ms", "dst_ms"):
                 if math.isfinite(row[key]):
                     self.writer.add_scalar(f"train/{key}", row[key], iteration)
+            for key in ("bytes_sent", "bytes_sent_total", "dense_fp32_bytes", "dense_bf16_bytes"):
+                if key in row:
+                    self.writer.add_scalar(f"comm/{key}", row[key], iteration)
             self.writer.flush()
         if self.is_logger and iteration % self.cfg.logging.log_interval == 0:
             done = iteration - self.start
@@ -164,7 +169,10 @@ class Metrics:
             f" step time predicted/measured (ms): {r['predicted_ms']:.1f}/{r['measured_ms']:.1f} |"
             f" mean budget: {r['mean_budget']:.1f} |"
             f" coverage: {r['mean_coverage']:.3f} |"
-            f" ETA: {time.strftime('%H:%M:%S', time.gmtime(max(0.0, eta_s)))}"
+            + (f" bytes sent (replica, total): {r['bytes_sent_total']:.4g} vs dense fp32/bf16 all-reduce "
+               f"{r['dense_fp32_bytes'] * r['iteration']:.4g}/{r['dense_bf16_bytes'] * r['iteration']:.4g} |"
+               if "bytes_sent_total" in r else "")
+            + f" ETA: {time.strftime('%H:%M:%S', time.gmtime(max(0.0, eta_s)))}"
         )
 
     def close(self):
@@ -204,7 +212,7 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
     torch.manual_seed(cfg.data.seed)
     rank, dp_rank = dist.get_rank(), parallel_state.get_data_parallel_rank()
     dp = parallel_state.get_data_parallel_world_size()
-    shape = cfg.model.shape()
+    shape = cfg.model_shape()
     latency = build_latency_model(cfg, device)
     dataset = build_dataset(cfg.data)
     batcher = SparsityAwareBatcher(cfg.batching.batching, dp, cfg.micro_batches_per_rank(world), latency_model=latency,
@@ -212,7 +220,12 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
                                    order=cfg.batching.micro_batch_order)
     sampler = GlobalBatchSampler(dataset.lengths, cfg.training.global_batch_size, batcher, seed=cfg.data.seed)
     trainer = Trainer(shape, cfg.sparse, cfg.dst_config(), cfg.optim, max_sequence_length=cfg.data.seq_length,
-                      bf16=cfg.training.bf16, latency_model=latency)
+                      bf16=cfg.training.bf16, latency_model=latency, dp_comm=cfg.dp_comm)
+    # Bytes are counted per stage; a replica is all its pipeline stages.
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    dense = torch.tensor([trainer.dense_bytes["fp32"], trainer.dense_bytes["bf16"]], dtype=torch.int64, device=device)
+    dist.all_reduce(dense, group=pp_group)
+    bytes_sent_total = 0
 
     start = 0
     ck = cfg.checkpoint
@@ -226,6 +239,7 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
             sampler.load_state_dict(common["sampler"])
         if "latency" in common:
             latency.load_calibration(common["latency"])
+        bytes_sent_total = common.get("bytes_sent_total", 0)
         if rank == 0:
             print(f"resumed from {resume} at iteration {start}", flush=True)
     elif ck.pretrained_checkpoint:
@@ -235,6 +249,11 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
         load_checkpoint(path, trainer.model)
         if rank == 0:
             print(f"initialized weights from {path}", flush=True)
+    if trainer.outer is not None:
+        trainer.outer.snapshot()  # the loaded weights are the global ones ...
+        outer_state = load_rank_file(resume, "dp_comm") if resume is not None and ck.load_optim else None
+        if outer_state is not None:  # ... unless this replica's own state was saved
+            trainer.outer.load_state_dict(outer_state)
 
     log_dir = cfg.logging.log_dir or ck.save or cfg.logging.tensorboard_dir
     if rank == 0 and log_dir:
@@ -254,9 +273,10 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
     def save(iteration):
         nonlocal last_saved
         save_checkpoint(ck.save, iteration, trainer.model, trainer.optimizer, common={
-            "config": cfg.to_dict(), "scheduler": trainer.scheduler.state_dict(), "sampler": sampler.state_dict(),
-            "latency": latency.calibration_state(),
-        })
+            "config": cfg.to_dict(), "model_shape": dataclasses.asdict(shape),
+            "scheduler": trainer.scheduler.state_dict(), "sampler": sampler.state_dict(),
+            "latency": latency.calibration_state(), "bytes_sent_total": bytes_sent_total,
+        }, rank_files={"dp_comm": trainer.outer.state_dict()} if trainer.outer is not None else None)
         last_saved = iteration
 
     timeline_iters = set(cfg.logging.timeline_iters or ())
@@ -278,8 +298,13 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
             in_a_row = 0
         flops = iteration_flops(cfg, [mb for rank_mbs in lengths for mb in rank_mbs], m.budgets if m else
                                 [cfg.sparse.moba_topk] * sum(len(r) for r in lengths))
+        sent = torch.tensor([step.extra["comm"]["bytes_sent"]], dtype=torch.int64, device=device)
+        dist.all_reduce(sent, group=pp_group)
+        bytes_sent_total += int(sent)
+        comm = dict(bytes_sent=int(sent), bytes_sent_total=bytes_sent_total, dense_fp32_bytes=int(dense[0]),
+                    dense_bf16_bytes=int(dense[1]))
         metrics.record(iteration, sampler.consumed_samples, step, elapsed_ms, trainer.optimizer.param_groups[0]["lr"],
-                       flops, skipped, nan_iters)
+                       flops, skipped, nan_iters, comm=comm)
         if iteration in timeline_iters and m is not None and rank == 0 and log_dir:
             m.write_trace(os.path.join(log_dir, f"timeline_iter{iteration:07d}.json"))
         if in_a_row >= cfg.training.max_nonfinite_iters:

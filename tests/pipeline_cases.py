@@ -144,8 +144,6 @@ def dst_claim(table_path, out_path):
 
 def megatron_oracle(lengths, seed):
     """Our schedule and megatron-core's 1F1B give the same losses and gradients (fixed budget)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: F401
-
     from megatron_sparsebalance.pipeline.oracle import compare_with_megatron
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 TINY = ["--model", "tiny", "--untie-embeddings-and-output-weights", "--mock-data", "--mock-length-distribution", "longtail",
         "--seq-length", "1024", "--mock-samples", "512", "--mock-vocab-size", "64", "--global-batch-size", "4",
@@ -63,3 +65,16 @@ def interrupted_save(root):
         assert "not a complete checkpoint" in str(exc)
     else:
         raise AssertionError("a torn checkpoint was accepted")
+
+
+def run_pretrain(args, nproc=1):
+    """The CLI as a user runs it; returns (exit code, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megatron_sparsebalance.pretrain", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "-m", "megatron_sparsebalance.pretrain", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    return p.returncode, p.stderr

@@ -242,3 +242,18 @@ def test_target_layout_that_does_not_divide_the_layers(converted, tmp_path):
     with pytest.raises(ValueError, match=r"--target-pipeline-model-parallel-size 3 does not divide the 4 layers.*\[1, 2, 4\]"):
         convert_hf_to_mcore(converted["llama"]["hf"], str(tmp_path / "out"), target_pipeline_parallel_size=3)
     assert not os.path.exists(tmp_path / "out")  # refused before anything is written
+
+
+def test_pretrain_starts_from_a_converted_llama(converted):
+    """`pretrain --pretrained-checkpoint ... --use-checkpoint-args` trains a converted model whose
+    shape the preset flags cannot express (no QKV bias, head dim != hidden / heads)."""
+    from tests.pretrain_cases import run_pretrain
+
+    rc, err = run_pretrain(["--pretrained-checkpoint", converted["llama"]["mcore"], "--use-checkpoint-args",
+                            "--mock-data", "--mock-length-distribution", "uniform", "--seq-length", "256",
+                            "--mock-samples", "64", "--mock-vocab-size", "256", "--global-batch-size", "2",
+                            "--moba-block-size", "64", "--moba-topk", "2", "--sparse-attn-impl", "torch",
+                            "--train-iters", "2", "--lr", "1e-4", "--min-lr", "1e-5"])
+    assert rc == 0, err
+    rc, err = run_pretrain(["--use-checkpoint-args", "--mock-data", "--train-iters", "1"])
+    assert rc == 2 and "--use-checkpoint-args needs --load or --pretrained-checkpoint" in err, err

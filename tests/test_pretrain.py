@@ -3,12 +3,11 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from tests import pretrain_cases
+from tests.pretrain_cases import run_pretrain
 from tests.distributed import run_workers
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
@@ -69,19 +68,6 @@ def test_resume_is_bitwise_identical(tmp_path):
 
 def test_interrupted_checkpoint_is_not_the_latest(tmp_path):
     run_workers(pretrain_cases.interrupted_save, world=1, args=(str(tmp_path),))
-
-
-def run_pretrain(args, nproc=1):
-    """The CLI as a user runs it; returns (exit code, stderr)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megatron_sparsebalance.pretrain", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", "megatron_sparsebalance.pretrain", *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    return p.returncode, p.stderr
 
 
 @pytest.mark.parametrize("extra, match", [

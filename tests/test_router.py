@@ -120,7 +120,6 @@ def test_coverage_curve_monotone_and_reaches_one():
 
 
 def test_coverage_curve_by_hand():
-    lay = layout([64 * 3])
     scores = torch.full((1, 3, 3), float("-inf"))
     scores[0, 1, 0] = 0.0
     scores[0, 2, :2] = torch.log(torch.tensor([0.25, 0.75]))

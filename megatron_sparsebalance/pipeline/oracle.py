@@ -7,7 +7,6 @@ gloo) and by ``benchmarks/pipeline_dst.py --check-megatron`` (GPU, NCCL).
 """
 from __future__ import annotations
 
-import torch
 from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
 from megatron_sparsebalance.pipeline.schedule import MicroBatchPlan, PipelinePlan, forward_backward_sparsebalance

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist

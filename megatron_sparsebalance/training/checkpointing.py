@@ -7,6 +7,7 @@
         common:  iteration, resolved config, LR scheduler, sampler + SAB estimator, latency
                  model calibration, format tag
         rng_rank<r>.pt                        each rank's RNG states
+        <name>_rank<r>.pt                     optional per-rank state (e.g. dp_comm: DiLoCo/SparseLoCo)
         complete                              written last: the checkpoint is whole
     <save>/latest_checkpointed_iteration.txt  the newest complete checkpoint, replaced atomically
 
@@ -59,11 +60,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer=None, common: Optional[dict] = None) -> str:
+def save_checkpoint(root: str, iteration: int, model, optimizer=None, common: Optional[dict] = None,
+                    rank_files: Optional[dict] = None) -> str:
     """Save on every rank (collective); returns the checkpoint directory.
 
     ``model`` may be wrapped (DDP, Float16Module); ``common`` holds picklable state that is the
-    same on every rank (rank 0's copy is written).
+    same on every rank (rank 0's copy is written); ``rank_files`` maps a name to this rank's own
+    state, written as ``<name>_rank<r>.pt`` before the completion marker.
     """
     path = iteration_dir(root, iteration)
     if _rank() == 0:
@@ -78,6 +81,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer=None, common: Op
     state["common"] = {"format": FORMAT, "iteration": iteration, **(common or {})}
     dist_checkpointing.save(state, path)
     torch.save(rng_state(), os.path.join(path, f"rng_rank{_rank()}.pt"))
+    for name, value in (rank_files or {}).items():
+        torch.save(value, rank_file(path, name))
     _barrier()
     if _rank() == 0:
         open(os.path.join(path, COMPLETE), "w").close()
@@ -87,6 +92,17 @@ def save_checkpoint(root: str, iteration: int, model, optimizer=None, common: Op
         os.replace(tmp, os.path.join(root, LATEST))  # atomic: readers see the old or the new file
     _barrier()
     return path
+
+
+def rank_file(path: str, name: str) -> str:
+    """Where this rank's ``name`` state lives in checkpoint ``path``."""
+    return os.path.join(path, f"{name}_rank{_rank()}.pt")
+
+
+def load_rank_file(path: str, name: str) -> Optional[Any]:
+    """This rank's ``name`` state from checkpoint ``path``, or None if the checkpoint has none."""
+    f = rank_file(path, name)
+    return torch.load(f, weights_only=False) if os.path.exists(f) else None
 
 
 def latest_checkpoint(root: str) -> Optional[str]:

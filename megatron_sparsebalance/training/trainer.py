@@ -25,6 +25,7 @@ from megatron_sparsebalance.balance.dst import DSTConfig
 from megatron_sparsebalance.pipeline.schedule import PipelinePlan, forward_backward_sparsebalance
 from megatron_sparsebalance.pipeline.timeline import IterationMetrics
 from megatron_sparsebalance.training.model import ModelShape, build_gpt_model, transformer_config
+from megatron_sparsebalance.training.outer_sync import DPCommConfig, OuterSync, replica_local_ddp_groups, ring_wire_bytes
 from megatron_sparsebalance.training.step import gpt_forward_step, mean_loss, pipeline_plans, stage_flags
 
 
@@ -88,9 +89,14 @@ class Trainer:
         latency_model=None,
         calibrate: bool = True,
         num_layers: Optional[int] = None,
+        dp_comm: Optional[DPCommConfig] = None,
     ):
         self.shape, self.sparse, self.dst = shape, sparse.validate(), dst.validate()
         optim.validate()
+        self.dp_comm = (dp_comm or DPCommConfig()).validate()
+        if self.dp_comm.local_steps and optim.use_distributed_optimizer:
+            raise ValueError(f"--dp-comm {self.dp_comm.dp_comm} keeps a full optimizer per replica: drop "
+                             "--use-distributed-optimizer")
         self.latency_model, self.calibrate = latency_model, calibrate
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -100,10 +106,15 @@ class Trainer:
         model = build_gpt_model(shape, sparse, self.config, max_sequence_length, **stage_flags()).to(device)
         if bf16:
             model = Float16Module(self.config, model)
+        # DiLoCo/SparseLoCo replicas must not all-reduce gradients each step. Rather than replace
+        # finalize_model_grads (it also all-reduces tied embeddings across pipeline stages), DDP is
+        # given data-parallel groups of one rank: its gradient "all-reduce" then stays local, and
+        # the replicas meet only in OuterSync, over the real DP group.
         self.model = DistributedDataParallel(
             self.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer),
             model,
+            pg_collection=replica_local_ddp_groups() if self.dp_comm.local_steps else None,
         )
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
@@ -122,6 +133,16 @@ class Trainer:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.device = device
+        dp = parallel_state.get_data_parallel_world_size()
+        self.outer = (OuterSync(self.dp_comm, self.optimizer, parallel_state.get_data_parallel_group())
+                      if self.dp_comm.local_steps else None)
+        # Bytes this stage sends per iteration under DDP: its fp32 gradient buffers, all-reduced.
+        grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
+                         for b in self.model.buffers + self.model.expert_parallel_buffers)
+        self.ddp_step_bytes = ring_wire_bytes("all_reduce", grad_bytes, dp) if self.outer is None else 0
+        numel = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.dense_bytes = {"fp32": ring_wire_bytes("all_reduce", 4 * numel, dp),
+                            "bf16": ring_wire_bytes("all_reduce", 2 * numel, dp)}
 
     def plan(self, micro_batch_lengths: Sequence[Sequence[Sequence[int]]]) -> PipelinePlan:
         """This DP rank's plan for a global batch (``[dp_rank][micro_batch] -> lengths``)."""
@@ -154,7 +175,11 @@ class Trainer:
             self.scheduler.step(increment=1)
         if measure and self.calibrate and self.latency_model is not None and plan.measured is not None:
             self._calibrate(micro_batch_lengths, plan.measured)
-        return StepResult(loss, grad_norm, not ok, plan, plan.measured, dst_ms)
+        # Skipped inner steps count too: replicas skip on their own gradient norms, and the outer
+        # steps must stay aligned across them.
+        outer = self.outer.after_inner_step() if self.outer is not None else None
+        comm = {"bytes_sent": outer["bytes_sent"] if outer else self.ddp_step_bytes, "outer_step": outer is not None}
+        return StepResult(loss, grad_norm, not ok, plan, plan.measured, dst_ms, extra={"comm": comm})
 
     def _loss_on_every_rank(self, reports) -> float:
         """The last stage's mean loss, averaged over DP ranks and known to every rank."""
