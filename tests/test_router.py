@@ -181,3 +181,16 @@ def test_cpp_selection_equals_python(seed):
     qp, qi = native.native().transpose_index_cpu(kv, cnt)
     rqp, rqi = transpose_route_index(ref.kv_idx, ref.kv_cnt)
     assert torch.equal(qp, rqp) and torch.equal(qi, rqi)
+
+
+def test_layout_cache_reuses_only_the_same_unchanged_tensor():
+    from megatron_sparsebalance.ops.layout import LayoutCache
+
+    cache = LayoutCache()
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    first = cache.get(cu, 64, 300)
+    assert cache.get(cu, 64, 300) is first  # every layer of a micro-batch: built once
+    assert cache.get(cu.clone(), 64, 300) is not first  # a new pack: rebuilt
+    assert cache.get(cu, 128, 300).block_size == 128  # another block size: rebuilt
+    cu[1] = 200  # edited in place: never served stale
+    assert cache.get(cu, 64, 300).cu_blocks.tolist() == [0, 4, 6]

@@ -22,9 +22,13 @@ from megatron.core.utils import divide
 from megatron_sparsebalance.attention.budget import LayerBudget, active_scope
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
 from megatron_sparsebalance.ops.implementations import attention_function, resolve_impl
-from megatron_sparsebalance.ops.layout import BlockLayout, uniform_cu_seqlens
+from megatron_sparsebalance.ops.layout import LayoutCache, uniform_cu_seqlens
 from megatron_sparsebalance.ops.naive import dense_causal_attention
 from megatron_sparsebalance.ops.sparse_attention import RouteStats, check_qkv, route
+
+
+# Shared by all layers: they see the same cu_seqlens tensor for a micro-batch (ops/layout.py).
+_LAYOUTS = LayoutCache()
 
 
 class SparseCoreAttention(MegatronModule):
@@ -120,7 +124,7 @@ class SparseCoreAttention(MegatronModule):
         budget = request.k if request is not None else cfg.moba_topk
         k_base = (request.k_base or cfg.moba_topk) if request is not None else None
         p = request.p if request is not None else None
-        layout = BlockLayout.from_cu_seqlens(cu_seqlens, cfg.moba_block_size, q.shape[0])
+        layout = _LAYOUTS.get(cu_seqlens, cfg.moba_block_size, q.shape[0])
         blocks, stats = route(q, k, layout, budget, k_base=k_base, p=p, track_coverage=cfg.track_coverage)
         self.last_stats = stats
         if scope is not None:

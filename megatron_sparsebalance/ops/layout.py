@@ -97,6 +97,30 @@ class BlockLayout:
         )
 
 
+class LayoutCache:
+    """The layout of the last pack seen, reused while the same ``cu_seqlens`` tensor comes back.
+
+    Every attention layer of a micro-batch gets the same ``PackedSeqParams`` (the same tensor
+    object), and building a layout reads ``cu_seqlens`` on the host; without the cache each layer
+    of each micro-batch would stop the host once for it. The tensor's identity and in-place
+    version are the key, so a new pack or an edited tensor is never served a stale layout.
+    """
+
+    def __init__(self):
+        self._key = None
+        self._layout: BlockLayout | None = None
+
+    def get(self, cu_seqlens: torch.Tensor, block_size: int, num_tokens: int) -> BlockLayout:
+        key = (cu_seqlens, cu_seqlens._version, block_size, num_tokens)
+        if self._key is None or not (self._key[0] is key[0] and self._key[1:] == key[1:]):
+            self._layout = BlockLayout.from_cu_seqlens(cu_seqlens, block_size, num_tokens)
+            self._key = key
+        return self._layout
+
+
+_uniform_cache: dict = {}
+
+
 def validate_block_size(block_size: int) -> None:
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(
@@ -105,5 +129,14 @@ def validate_block_size(block_size: int) -> None:
 
 
 def uniform_cu_seqlens(batch: int, seq_len: int, device=None) -> torch.Tensor:
-    """``cu_seqlens`` of ``batch`` sequences of ``seq_len`` tokens (the sbhd case)."""
-    return torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
+    """``cu_seqlens`` of ``batch`` sequences of ``seq_len`` tokens (the sbhd case).
+
+    The same tensor object for the same arguments, so that :class:`LayoutCache` hits across the
+    layers of an sbhd micro-batch too. Treat it as read-only.
+    """
+    key = (batch, seq_len, str(torch.device(device) if device is not None else "cpu"))
+    if key not in _uniform_cache:
+        if len(_uniform_cache) > 64:  # a few shapes in a run; never grow without bound
+            _uniform_cache.clear()
+        _uniform_cache[key] = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
+    return _uniform_cache[key]

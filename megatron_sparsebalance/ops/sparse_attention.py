@@ -29,12 +29,26 @@ from megatron_sparsebalance.ops.router import (
 
 @dataclass
 class RouteStats:
-    """What a layer did with the budget it was handed (reported to the schedule and SAB)."""
+    """What a layer did with the budget it was handed (reported to the schedule and SAB).
+
+    The coverages stay on the device until read: a layer that only reports them must not stop
+    the host for them (one read after the micro-batch's forward waits once, not once per layer).
+    """
 
     k_requested: int
     k_used: int
-    coverage_used: float  # C(k_used)
-    coverage_base: Optional[float]  # C(k_base), when a k_base was given
+    _coverage: Optional[torch.Tensor] = None  # [C(k_used), C(k_base)] (the second only with a k_base)
+    _has_base: bool = False
+
+    @property
+    def coverage_used(self) -> float:
+        """``C(k_used)``; NaN when coverage was not tracked."""
+        return float(self._coverage[0]) if self._coverage is not None else float("nan")
+
+    @property
+    def coverage_base(self) -> Optional[float]:
+        """``C(k_base)``, when a ``k_base`` was given."""
+        return float(self._coverage[1]) if self._coverage is not None and self._has_base else None
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -87,12 +101,10 @@ def route(
         curve = coverage_curve(scores, max(k_used, k_base or 1))
     if bounded:
         k_used = coverage_bounded_budget(curve, k_used, int(k_base), p)
-    stats = RouteStats(
-        k_requested=int(budget),
-        k_used=k_used,
-        coverage_used=float(curve[k_used - 1]) if curve is not None else float("nan"),
-        coverage_base=float(curve[k_base - 1]) if (curve is not None and k_base) else None,
-    )
+    coverage = None
+    if curve is not None:
+        coverage = torch.stack([curve[k_used - 1], curve[(k_base or k_used) - 1]])
+    stats = RouteStats(int(budget), k_used, coverage, bool(k_base) and curve is not None)
     return select(scores, layout, k_used), stats
 
 
