@@ -336,17 +336,18 @@ def main(argv=None) -> int:
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as exc:
         # Every rank sees the same flags and fails here, before any process group: nobody hangs.
+        # Every rank prints: torchrun stops the others as soon as one exits, so a message left to
+        # rank 0 alone could be lost.
         if int(os.environ.get("RANK", "0")) == 0:
             parser.print_usage(sys.stderr)
-            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     try:
         pretrain(cfg)
     except ValueError as exc:
         # Set-up errors (a latency table for another run, overlong samples, ...) happen on every
-        # rank alike: report once and leave without waiting on anyone.
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        # rank alike: each reports and leaves without waiting on anyone.
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
         return 2
