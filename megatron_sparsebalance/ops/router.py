@@ -96,14 +96,15 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout) -> torch
 
 
 def validate_budgets(budgets: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-    budgets = torch.as_tensor(budgets, dtype=torch.int64).reshape(-1)
+    """``[N]`` int64 budgets on the host (checked there, so no device sync)."""
+    budgets = torch.as_tensor(budgets, dtype=torch.int64).reshape(-1).cpu()
     if budgets.numel() == 1 and layout.num_seqs != 1:
         budgets = budgets.expand(layout.num_seqs)
     if budgets.numel() != layout.num_seqs:
         raise ValueError(f"budgets has {budgets.numel()} entries for {layout.num_seqs} sequences")
     if budgets.numel() and int(budgets.min()) < 1:
         raise ValueError(f"budget (--moba-topk / DST budget) must be >= 1, got {int(budgets.min())}")
-    return budgets.to(layout.block_seq.device)
+    return budgets
 
 
 def select_blocks(scores: torch.Tensor, layout: BlockLayout, budgets) -> BlockRoute:
@@ -118,8 +119,9 @@ def select_blocks(scores: torch.Tensor, layout: BlockLayout, budgets) -> BlockRo
     budgets = validate_budgets(budgets, layout)
     G, NB, _ = scores.shape
     device = scores.device
-    kmax = int(budgets.max()) if budgets.numel() else 1
+    kmax = int(budgets.max()) if budgets.numel() else 1  # host tensor: no sync
     kmax = max(1, min(kmax, layout.max_blocks_per_seq))
+    budgets = budgets.to(device)
     blk_budget = budgets[layout.block_seq]  # [NB]
     diag = torch.arange(NB, device=device).view(1, NB, 1).expand(G, NB, 1)
     if kmax > 1:
@@ -170,11 +172,10 @@ def coverage_curve(scores: torch.Tensor, kmax: int) -> torch.Tensor:
     G, NB, _ = scores.shape
     finite = torch.isfinite(scores)
     ncand = finite.sum(-1).reshape(-1)  # [G*NB]
-    rows = ncand > 0
-    if not bool(rows.any()):
-        return torch.ones(kmax, dtype=torch.float32, device=scores.device)
-    s = scores.reshape(G * NB, NB)[rows]
-    ncand = ncand[rows]
+    # Rows without candidates are masked out of the mean rather than indexed away: boolean
+    # indexing (and testing whether any row is left) would stop the host once per layer.
+    valid = ncand > 0
+    s = torch.where(valid.view(-1, 1), scores.reshape(G * NB, NB), torch.zeros((), device=scores.device))
     probs = torch.softmax(s, dim=-1)
     width = max(1, min(kmax - 1, NB))
     top = torch.topk(probs, width, dim=-1).values
@@ -184,7 +185,9 @@ def coverage_curve(scores: torch.Tensor, kmax: int) -> torch.Tensor:
     got = cum.gather(-1, (take - 1).clamp(min=0, max=width - 1))
     got = torch.where(take == 0, torch.zeros_like(got), got)
     got = torch.where(take >= ncand.view(-1, 1), torch.ones_like(got), got)
-    return got.mean(0)
+    n_valid = valid.sum()
+    mean = (got * valid.view(-1, 1)).sum(0) / n_valid.clamp(min=1)
+    return torch.where(n_valid > 0, mean, torch.ones_like(mean))
 
 
 def coverage_bounded_budget(curve: torch.Tensor, k_request: int, k_base: int, p: Optional[float]) -> int:
