@@ -59,9 +59,6 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
     """The table of --latency-table (checked against this run) or the analytic model."""
     shape = cfg.model_shape()
     nl = shape.num_layers // cfg.parallel.pipeline_model_parallel_size
-    common = {}
-    if cfg.dst.dst_budgets is not None:
-        common["candidates"] = sorted(set(cfg.dst.dst_budgets) | {cfg.sparse.moba_topk})
     if cfg.latency.latency_table:
         impl = resolve_impl(cfg.sparse.sparse_attn_impl, device)
         expect = latency_metadata(shape, cfg.sparse.moba_block_size, nl, "bfloat16" if cfg.training.bf16 else "float32",
@@ -72,16 +69,14 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
         for key in ("pre_process", "post_process"):
             expect.pop(key)
         model = LatencyModel.load(cfg.latency.latency_table, expect=expect, force=cfg.latency.latency_table_force)
-        if "candidates" in common:
-            model.candidates = tuple(common["candidates"])
     else:
         hardware = cfg.latency.latency_hardware
         if hardware == "auto":
             hardware = "h200" if device.type == "cuda" else "cpu"
         model = AnalyticLatencyModel(shape, nl, block_size=cfg.sparse.moba_block_size, hardware=hardware,
-                                     dtype_bytes=2 if cfg.training.bf16 else 4, **common)
-    if cfg.sparse.moba_topk not in model.candidates:
-        model.candidates = tuple(sorted(set(model.candidates) | {cfg.sparse.moba_topk}))
+                                     dtype_bytes=2 if cfg.training.bf16 else 4)
+    # DST's choices: --dst-budgets (else the model's own set), always with k_base among them.
+    model.candidates = tuple(sorted(set(cfg.dst.dst_budgets or model.candidates) | {cfg.sparse.moba_topk}))
     model.k_min = max(model.k_min, cfg.dst.dst_k_min)
     return model
 
