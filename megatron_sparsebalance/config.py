@@ -225,10 +225,7 @@ class SparseBalanceConfig:
         self.batching.validate(self.data.seq_length)
         self.sparse.validate()
         self.dst_config().validate()
-        self.dp_comm.validate()
-        if self.dp_comm.local_steps and self.optim.use_distributed_optimizer:
-            raise ValueError(f"--dp-comm {self.dp_comm.dp_comm} keeps a full optimizer per replica: "
-                             "--use-distributed-optimizer is not allowed with it")
+        self.dp_comm.validate(self.optim.use_distributed_optimizer)
         par, tr = self.parallel, self.training
         if par.tensor_model_parallel_size != 1:
             raise ValueError("--tensor-model-parallel-size > 1 is not supported yet (use PP and DP); got "

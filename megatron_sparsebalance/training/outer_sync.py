@@ -70,9 +70,12 @@ class DPCommConfig:
     def resolved_outer_lr(self) -> float:
         return self.outer_lr if self.outer_lr is not None else DEFAULT_OUTER_LR.get(self.dp_comm, 1.0)
 
-    def validate(self) -> "DPCommConfig":
+    def validate(self, use_distributed_optimizer: bool = False) -> "DPCommConfig":
         if self.dp_comm not in DP_COMM_MODES:
             raise ValueError(f"--dp-comm must be one of {', '.join(DP_COMM_MODES)}, got {self.dp_comm!r}")
+        if self.local_steps and use_distributed_optimizer:
+            raise ValueError(f"--dp-comm {self.dp_comm} keeps a full optimizer per replica: "
+                             "--use-distributed-optimizer is not allowed with it")
         if self.outer_steps_interval < 1:
             raise ValueError(f"--outer-steps-interval must be >= 1, got {self.outer_steps_interval}")
         if self.outer_lr is not None and not self.outer_lr > 0:

@@ -93,10 +93,7 @@ class Trainer:
     ):
         self.shape, self.sparse, self.dst = shape, sparse.validate(), dst.validate()
         optim.validate()
-        self.dp_comm = (dp_comm or DPCommConfig()).validate()
-        if self.dp_comm.local_steps and optim.use_distributed_optimizer:
-            raise ValueError(f"--dp-comm {self.dp_comm.dp_comm} keeps a full optimizer per replica: drop "
-                             "--use-distributed-optimizer")
+        self.dp_comm = (dp_comm or DPCommConfig()).validate(optim.use_distributed_optimizer)
         self.latency_model, self.calibrate = latency_model, calibrate
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         tp = parallel_state.get_tensor_model_parallel_world_size()
