@@ -247,6 +247,20 @@ class VerifySettings:
 
 # ----------------------------------------------------------------------------- conversions
 
+def _finish(out: str, report: dict, log, result=None, failure: str = "") -> None:
+    """Write the report beside the output (with the verification, if any) and fail if it failed.
+
+    The report is written before raising, so a failed conversion still says what it compared.
+    """
+    if result is not None:
+        report["verify"] = asdict(result)
+    _write_report(out, report)
+    if result is not None:
+        log(result.line())
+        if not result.passed:
+            raise VerificationError(f"{out}: {failure}: {result.line()}")
+
+
 def _write_report(directory: str, report: dict) -> None:
     with open(os.path.join(directory, REPORT), "w") as f:
         json.dump(report, f, indent=2, default=str)
@@ -308,13 +322,9 @@ def convert_hf_to_mcore(hf_dir: str, save: str, make_vocab_size_divisible_by: in
                                      max_sequence_length=verify.seq_length)
         result = compare_logits(hf_logits(hf_dir, tokens), megatron_logits(reloaded, tokens, info.hf_vocab_size),
                                 verify.tolerance)
-        report["verify"] = asdict(result)
-        _write_report(path, report)
-        log(result.line())
-        if not result.passed:
-            raise VerificationError(f"{path}: converted logits differ from {hf_dir}: {result.line()}")
+        _finish(path, report, log, result, f"converted logits differ from {hf_dir}")
     else:
-        _write_report(path, report)
+        _finish(path, report, log)
     return report
 
 
@@ -381,13 +391,9 @@ def convert_mcore_to_hf(load: str, save: str, hf_config: Optional[str] = None, d
         tokens = verify_tokens(info.hf_vocab_size, verify.seq_length, verify.batch_size, verify.seed)
         result = compare_logits(megatron_logits(model, tokens, info.hf_vocab_size), hf_logits(save, tokens),
                                 _dtype_tolerance(verify.tolerance, out_dtype))
-        report["verify"] = asdict(result)
-        _write_report(save, report)
-        log(result.line())
-        if not result.passed:
-            raise VerificationError(f"{save}: HF logits differ from {path}: {result.line()}")
+        _finish(save, report, log, result, f"HF logits differ from {path}")
     else:
-        _write_report(save, report)
+        _finish(save, report, log)
     return report
 
 
