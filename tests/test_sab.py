@@ -16,6 +16,7 @@ from megatron_sparsebalance.balance.sab import (
     PartitionError,
     SparsityAwareBatcher,
     SparsityEstimator,
+    arrival_order_chunks,
     balanced_partition,
     partition_lower_bound,
     pipeline_order,
@@ -95,6 +96,21 @@ def test_token_cap_respected_and_infeasible_caps_rejected():
         SparsityAwareBatcher("none", 1, 4, model, micro_batch_tokens=40000).plan(lengths)
     with pytest.raises(PartitionError):
         balanced_partition([1.0, 1.0, 1.0], 2, tokens=[5, 5, 5], token_cap=9)
+
+
+def test_arrival_order_moves_cuts_only_for_the_token_cap():
+    model = latency_model()
+    lengths = [1000, 30000, 30000, 1000, 1000, 1000]  # even cuts fit: nothing moves
+    assert arrival_order_chunks(lengths, 3, 40000) == [[0, 1], [2, 3], [4, 5]]
+    # Even cuts would put 30K + 30K together; one cut moves, counts stay as even as they can.
+    assert arrival_order_chunks([30000, 30000, 1000, 1000, 1000, 1000], 3, None) == [[0, 1], [2, 3], [4, 5]]
+    runs = arrival_order_chunks([30000, 30000, 1000, 1000, 1000, 1000], 3, 40000)
+    assert runs == [[0], [1, 2, 3], [4, 5]] or runs == [[0], [1, 2], [3, 4, 5]]
+    assert arrival_order_chunks([30000, 30000, 30000], 2, 40000) is None
+    plan = SparsityAwareBatcher("none", 1, 3, model, micro_batch_tokens=40000, order="as-planned").plan(
+        [30000, 30000, 1000, 1000, 1000, 1000])
+    assert [i for mb in plan.micro_batches[0] for i in mb] == list(range(6))  # arrival order kept
+    assert max(plan.tokens[0]) <= 40000
 
 
 def test_bad_flags_name_the_flag():
@@ -206,8 +222,57 @@ def test_partition_against_exhaustive_optimum():
         sab_better += sab < lpt * (1 - 1e-9)
         worst_sab, worst_lpt = max(worst_sab, sab / opt), max(worst_lpt, lpt / opt)
     print(f"\nworst max/optimum over 160 small cases: sab {worst_sab:.4f}, LPT alone {worst_lpt:.4f}")
-    assert worst_sab <= 1.10
+    assert worst_sab <= 1.02  # 1.0170 measured; LPT + exchanges without the MULTIFIT restart: 1.0245
     assert worst_sab < worst_lpt and sab_better >= 5, "better than greedy where it matters"
+
+
+def test_pairing_bound_where_the_pigeonhole_is_loose():
+    # [10, 5, 4, 4] in 2 parts: the mean says 11.5; a part holding three of the four weighs 13,
+    # two pairs put 10 with a 4 (14): 13, the optimum.
+    for w, parts in (([10.0, 5.0, 4.0, 4.0], 2), ([11.0, 11.0, 9.0, 2.0, 2.0], 3)):
+        assert partition_lower_bound(w, parts) == exhaustive_best(np.array(w), parts) == 13.0
+        assert sum(w) / parts < 13.0
+    rng = np.random.default_rng(7)
+    for _ in range(300):  # never above the optimum, with as many heavy items as pairs can need
+        parts = int(rng.integers(2, 5))
+        w = rng.integers(1, 12, int(rng.integers(parts + 1, 2 * parts + 2))).astype(float)
+        if parts ** (len(w) - 1) <= 20000:
+            assert partition_lower_bound(w, parts) <= exhaustive_best(w, parts) * (1 + 1e-12)
+
+
+def test_the_benchmarks_missed_batch_is_at_the_pairing_bound():
+    """The batch benchmarks/batching.py once counted as missed (bimodal, 32 micro-batches): SAB
+    1.0509 against a pigeonhole bound of 1.016. Its 47 long samples (0.36..0.72 x the mean) in 32
+    micro-batches force 15 pairs, and their best pairing already weighs 1.0509: no split does
+    better, the solver was optimal and the bound loose."""
+    from benchmarks.batching import latency_model as qwen3b_stage
+
+    model = qwen3b_stage()
+    est = SparsityEstimator(K_BASE)  # the warmed estimates that run recorded
+    for length, k in ((1024, 31.44), (2048, 31.46), (4096, 31.6), (32768, 31.43)):
+        est.values[est.bin_of(length)] = k
+    rng = np.random.default_rng([1234, 1])
+    lengths = [sample_lengths("bimodal", 256, 32768, rng).tolist() for _ in range(6)][5]
+    batcher = SparsityAwareBatcher("sab", 2, 16, model, estimator=est)
+    cost = [batcher.sample_cost(n, est.estimate(n)) for n in lengths]
+    overhead = batcher.pack_overhead()
+    bound = (overhead + partition_lower_bound(cost, 32)) / (overhead + sum(cost) / 32)
+    ratio = batcher.plan(lengths).max_over_mean()
+    assert bound > 1.05
+    assert ratio <= bound * (1 + 1e-3), "SAB reaches the pairing bound"
+
+
+@pytest.mark.parametrize("seq_length,seed", [(65536, 104), (65536, 122), (65536, 143), (65536, 219), (73728, 62), (73728, 187)])
+def test_sab_within_target_where_the_bound_allows_it(seq_length, seed):
+    """64 micro-batches of 4 longtail samples: LPT + exchanges alone left 1.051..1.074 here (a
+    sample of ~0.9 x the mean stuck beside a small one), with a bound of 1.0."""
+    model = latency_model()
+    lengths = sample_lengths("longtail", 256, seq_length, np.random.default_rng(seed)).tolist()
+    batcher = SparsityAwareBatcher("sab", 4, 16, model, k_base=K_BASE)
+    cost, overhead = [batcher.sample_cost(n, K_BASE) for n in lengths], batcher.pack_overhead()
+    bound = (overhead + partition_lower_bound(cost, 64)) / (overhead + sum(cost) / 64)
+    assert bound <= 1.05
+    assert batcher.plan(lengths).max_over_mean() <= 1.05
 
 
 def test_solver_is_fast_on_a_256_sample_global_batch():
