@@ -27,13 +27,15 @@ from megatron_sparsebalance.balance.sab import BatchingConfig
 from megatron_sparsebalance.data.datasets import DataConfig
 from megatron_sparsebalance.training.model import MODEL_PRESETS, ModelShape
 from megatron_sparsebalance.training.outer_sync import DPCommConfig
+from megatron_sparsebalance.training.step import pipeline_layer_split
 from megatron_sparsebalance.training.trainer import OptimSettings
 
 
 @dataclass
 class ModelConfig:
     model: str = "tiny"
-    """Architecture preset: tiny (CPU demos), qwen2.5-0.5b or qwen2.5-3b; the flags below override it."""
+    """Architecture preset: tiny (CPU demos), fidelity-small (benchmarks/fidelity.py), qwen2.5-0.5b or
+    qwen2.5-3b; the flags below override it."""
     num_layers: Optional[int] = None
     """Transformer layers (default: the preset's)."""
     hidden_size: Optional[int] = None
@@ -85,6 +87,12 @@ class ParallelConfig:
     """Tensor parallel size (TP). Only 1 is supported for now."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages (PP); the schedule is SparseBalance's 1F1B."""
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Transformer layers on the first pipeline stage (default: an even split); the stages
+    without a fixed count share the rest evenly."""
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Transformer layers on the last pipeline stage, which also runs the output layer and the
+    loss (with a 152K vocabulary about six Qwen2.5-0.5B layers' worth): give it fewer."""
     distributed_backend: str = "auto"
     """auto (NCCL with GPUs, gloo without), nccl or gloo."""
 
@@ -154,10 +162,32 @@ class LoggingFlags:
     """Where the resolved config and timelines go (default: --save, else --tensorboard-dir, else none)."""
 
 
+@dataclass
+class EvalFlags:
+    eval_interval: Optional[int] = None
+    """Evaluate on held-out data every this many iterations and once at the end of training (0 or
+    unset: never). Forward only, at the fixed budget --moba-topk (no DST); see training/evaluate.py."""
+    eval_iters: int = 10
+    """Validation global batches (of --global-batch-size samples) per evaluation; every evaluation
+    scores the same ones."""
+
+    def validate(self) -> "EvalFlags":
+        if self.eval_interval is not None and self.eval_interval < 0:
+            raise ValueError(f"--eval-interval must be >= 0 (0: never evaluate), got {self.eval_interval}")
+        if self.enabled and self.eval_iters < 1:
+            raise ValueError(f"--eval-iters must be >= 1 with --eval-interval, got {self.eval_iters}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.eval_interval)
+
+
 GROUPS = {
     "model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "optim": OptimSettings,
     "data": DataConfig, "batching": BatchingConfig, "sparse": SparseAttentionConfig, "dst": DSTFlags,
     "latency": LatencyFlags, "checkpoint": CheckpointFlags, "logging": LoggingFlags, "dp_comm": DPCommConfig,
+    "eval": EvalFlags,
 }
 
 
@@ -175,6 +205,7 @@ class SparseBalanceConfig:
     checkpoint: CheckpointFlags = field(default_factory=CheckpointFlags)
     logging: LoggingFlags = field(default_factory=LoggingFlags)
     dp_comm: DPCommConfig = field(default_factory=DPCommConfig)
+    eval: EvalFlags = field(default_factory=EvalFlags)
 
     # ---- derived ---------------------------------------------------------------------------
 
@@ -195,6 +226,12 @@ class SparseBalanceConfig:
         if recorded is None:
             raise ValueError(f"--use-checkpoint-args: {path} records no model_shape")
         return ModelShape(**recorded)
+
+    def pipeline_layer_split(self, shape: Optional[ModelShape] = None) -> list:
+        """Transformer layers per pipeline stage (checks the --decoder-*-pipeline-num-layers flags)."""
+        par = self.parallel
+        return pipeline_layer_split((shape or self.model_shape()).num_layers, par.pipeline_model_parallel_size,
+                                    par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
 
     def dst_config(self) -> DSTConfig:
         return DSTConfig(anchor=self.dst.dst_anchor, p=self.dst.dst_p, k_base=self.sparse.moba_topk)
@@ -239,9 +276,7 @@ class SparseBalanceConfig:
             raise ValueError(f"the world size {world_size} is not divisible by --tensor-model-parallel-size x "
                              f"--pipeline-model-parallel-size = {model_parallel}")
         shape = self.model_shape()
-        if shape.num_layers % par.pipeline_model_parallel_size:
-            raise ValueError(f"--num-layers ({shape.num_layers}) must be divisible by --pipeline-model-parallel-size "
-                             f"({par.pipeline_model_parallel_size})")
+        self.pipeline_layer_split(shape)
         dp = self.data_parallel_size(world_size)
         if tr.micro_batch_size < 1 or tr.global_batch_size < 1:
             raise ValueError("--micro-batch-size and --global-batch-size must be >= 1")
@@ -286,7 +321,27 @@ class SparseBalanceConfig:
             raise ValueError(f"--data-path {self.data.data_path}: neither a .jsonl file nor the prefix of a .bin/.idx pair")
         if self.data.tokenizer_model is not None and not os.path.isdir(self.data.tokenizer_model):
             raise ValueError(f"--tokenizer-model {self.data.tokenizer_model}: not a directory")
+        self._validate_eval()
         return self
+
+    def _validate_eval(self) -> None:
+        ev, valid = self.eval.validate(), self.data.valid_data_path
+        if valid is not None:
+            if not (os.path.isfile(valid) or os.path.isfile(valid + ".idx")):
+                raise ValueError(f"--valid-data-path {valid}: neither a .jsonl file nor the prefix of a .bin/.idx pair")
+            if valid.endswith(".jsonl") and not self.data.tokenizer_model:
+                raise ValueError("--tokenizer-model is required for a .jsonl --valid-data-path")
+            if not ev.enabled:
+                raise ValueError("--valid-data-path is read only by evaluation: add --eval-interval N")
+        if ev.enabled and valid is None and not self.data.mock_data:
+            raise ValueError("--eval-interval needs validation data: --valid-data-path, or --mock-data (a held-out "
+                             "mock split)")
+        # DiLoCo/SparseLoCo replicas hold different weights between outer steps, and each scores
+        # only its share of the validation batch: evaluate where they agree.
+        interval = self.dp_comm.outer_steps_interval
+        if ev.enabled and self.dp_comm.local_steps and ev.eval_interval % interval:
+            raise ValueError(f"--eval-interval ({ev.eval_interval}) must be a multiple of --outer-steps-interval "
+                             f"({interval}) with --dp-comm {self.dp_comm.dp_comm}: replicas agree only after an outer step")
 
 
 # ---- flags ---------------------------------------------------------------------------------

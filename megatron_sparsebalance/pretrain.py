@@ -42,6 +42,7 @@ from megatron_sparsebalance.ops.implementations import resolve_impl
 from megatron_sparsebalance.training.checkpointing import latest_checkpoint, load_checkpoint, load_rank_file, save_checkpoint
 from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
 from megatron_sparsebalance.training.dist import init_distributed
+from megatron_sparsebalance.training.evaluate import Evaluator
 from megatron_sparsebalance.training.trainer import Trainer
 
 try:
@@ -58,6 +59,8 @@ except ImportError:  # optional: only --tensorboard-dir needs it
 def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> LatencyModel:
     """The table of --latency-table (checked against this run) or the analytic model."""
     shape = cfg.model_shape()
+    # DST plans every stage with one model, of an average stage: with an uneven pipeline
+    # (--decoder-first/last-pipeline-num-layers) online calibration absorbs the difference.
     nl = shape.num_layers // cfg.parallel.pipeline_model_parallel_size
     if cfg.latency.latency_table:
         impl = resolve_impl(cfg.sparse.sparse_attn_impl, device)
@@ -112,7 +115,7 @@ class Metrics:
         self.writer = SummaryWriter(cfg.logging.tensorboard_dir) if (is_logger and cfg.logging.tensorboard_dir) else None
         self.history: list = []
 
-    def record(self, iteration, consumed, step, elapsed_ms, lr, flops, skipped_total, nan_total, comm=None):
+    def record(self, iteration, consumed, step, elapsed_ms, lr, flops, skipped_total, nan_total, comm=None, sab_ms=0.0):
         m = step.metrics
         world = dist.get_world_size()
         row = dict(
@@ -126,13 +129,13 @@ class Metrics:
             measured_ms=m.iteration_ms if m else elapsed_ms,
             mean_budget=sum(m.budgets) / len(m.budgets) if m and m.budgets else float("nan"),
             mean_coverage=sum(m.coverage) / len(m.coverage) if m and m.coverage else float("nan"),
-            dst_ms=step.dst_ms,
+            dst_ms=step.dst_ms, sab_ms=sab_ms,
             **(comm or {}),
         )
         self.history.append(row)
         if self.writer is not None:
             for key in ("loss", "lr", "grad_norm", "tflops_per_gpu", "elapsed_ms", "imbalance", "bubble", "mean_budget",
-                        "mean_coverage", "predicted_ms", "measured_ms", "dst_ms"):
+                        "mean_coverage", "predicted_ms", "measured_ms", "dst_ms", "sab_ms"):
                 if math.isfinite(row[key]):
                     self.writer.add_scalar(f"train/{key}", row[key], iteration)
             for key in ("bytes_sent", "bytes_sent_total", "dense_fp32_bytes", "dense_bf16_bytes"):
@@ -164,6 +167,7 @@ class Metrics:
             f" step time predicted/measured (ms): {r['predicted_ms']:.1f}/{r['measured_ms']:.1f} |"
             f" mean budget: {r['mean_budget']:.1f} |"
             f" coverage: {r['mean_coverage']:.3f} |"
+            f" SAB/DST planning (ms): {r['sab_ms']:.2f}/{r['dst_ms']:.2f} |"
             + (f" bytes sent (replica, total): {r['bytes_sent_total']:.4g} vs dense fp32/bf16 all-reduce "
                f"{r['dense_fp32_bytes'] * r['iteration']:.4g}/{r['dense_bf16_bytes'] * r['iteration']:.4g} |"
                if "bytes_sent_total" in r else "")
@@ -194,8 +198,12 @@ class _Sigterm:
 # ---- the run -------------------------------------------------------------------------------
 
 
-def pretrain(cfg: SparseBalanceConfig) -> list:
-    """Train per ``cfg`` in this process (one rank of a torchrun job); returns the logged rows."""
+def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
+    """Train per ``cfg`` in this process (one rank of a torchrun job); returns the logged rows.
+
+    ``on_iteration(row, step)``, if given, is called on every rank after each iteration with the
+    logged row and the trainer's ``StepResult`` (benchmarks read the per-stage timings there).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world)
     if cfg.logging.tensorboard_dir and not HAVE_TENSORBOARD:
@@ -215,7 +223,10 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
                                    order=cfg.batching.micro_batch_order)
     sampler = GlobalBatchSampler(dataset.lengths, cfg.training.global_batch_size, batcher, seed=cfg.data.seed)
     trainer = Trainer(shape, cfg.sparse, cfg.dst_config(), cfg.optim, max_sequence_length=cfg.data.seq_length,
-                      bf16=cfg.training.bf16, latency_model=latency, dp_comm=cfg.dp_comm)
+                      bf16=cfg.training.bf16, latency_model=latency, dp_comm=cfg.dp_comm,
+                      first_stage_layers=cfg.parallel.decoder_first_pipeline_num_layers,
+                      last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers)
+    evaluator = Evaluator(cfg, trainer, batcher) if cfg.eval.enabled else None  # before a resume changes the batcher
     # Bytes are counted per stage; a replica is all its pipeline stages.
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     dense = torch.tensor([trainer.dense_bytes["fp32"], trainer.dense_bytes["bf16"]], dtype=torch.int64, device=device)
@@ -255,12 +266,15 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
         cfg.write_json(os.path.join(log_dir, "config.json"))
     if rank == 0:
         print(f"megatron-sparsebalance: {shape.num_layers} layers over PP={cfg.parallel.pipeline_model_parallel_size} "
+              f"({'/'.join(map(str, cfg.pipeline_layer_split(shape)))} per stage) "
               f"DP={dp}, {cfg.micro_batches_per_rank(world)} micro-batches per rank, attention "
               f"{resolve_impl(cfg.sparse.sparse_attn_impl, device) if cfg.sparse.sparse_attention else 'dense'}, "
               f"DST {cfg.dst.dst_anchor} (p={cfg.dst.dst_p}), batching {cfg.batching.batching}, "
               f"latency model {type(latency).__name__}", flush=True)
 
     metrics = Metrics(cfg, start, is_logger=rank == dist.get_world_size() - 1)
+    if evaluator is not None:
+        evaluator.log_to(log_dir, metrics.writer, metrics.is_logger)
     sigterm = _Sigterm()
     skipped = nan_iters = in_a_row = 0
     last_saved = start if resume is not None else None
@@ -278,11 +292,12 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
     for iteration in range(start + 1, cfg.training.train_iters + 1):
         t0 = time.perf_counter()
         plan = sampler.next_plan()
+        sab_ms = (time.perf_counter() - t0) * 1e3
         lengths = [[plan.micro_batch_lengths(r, j) for j in range(plan.num_micro_batches)] for r in range(dp)]
         step = trainer.train_step(lengths, sampler.micro_batches(dataset, plan, dp_rank))
         elapsed_ms = (time.perf_counter() - t0) * 1e3
         m = step.metrics
-        if m is not None:
+        if m is not None and cfg.sparse.sparse_attention:  # dense layers report no budgets for SAB's estimator
             per_rank = [m.budgets[r * plan.num_micro_batches:(r + 1) * plan.num_micro_batches] for r in range(dp)]
             sampler.update(plan, per_rank)
         if step.skipped:
@@ -299,9 +314,13 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
         comm = dict(bytes_sent=int(sent), bytes_sent_total=bytes_sent_total, dense_fp32_bytes=int(dense[0]),
                     dense_bf16_bytes=int(dense[1]))
         metrics.record(iteration, sampler.consumed_samples, step, elapsed_ms, trainer.optimizer.param_groups[0]["lr"],
-                       flops, skipped, nan_iters, comm=comm)
+                       flops, skipped, nan_iters, comm=comm, sab_ms=sab_ms)
+        if on_iteration is not None:
+            on_iteration(metrics.history[-1], step)
         if iteration in timeline_iters and m is not None and rank == 0 and log_dir:
             m.write_trace(os.path.join(log_dir, f"timeline_iter{iteration:07d}.json"))
+        if evaluator is not None:
+            evaluator.after_iteration(iteration, sampler.consumed_samples)
         if in_a_row >= cfg.training.max_nonfinite_iters:
             raise RuntimeError(f"{in_a_row} iterations in a row had a non-finite loss or gradient "
                                f"(--max-nonfinite-iters {cfg.training.max_nonfinite_iters}); stopping")
@@ -316,6 +335,8 @@ def pretrain(cfg: SparseBalanceConfig) -> list:
     else:
         if ck.save and last_saved != cfg.training.train_iters and cfg.training.train_iters > start:
             save(cfg.training.train_iters)
+    if evaluator is not None:
+        evaluator.finish(start, sampler.consumed_samples)
     metrics.close()
     if rank == 0 and log_dir:
         with open(os.path.join(log_dir, "metrics.jsonl"), "a") as f:

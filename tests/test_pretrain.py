@@ -42,12 +42,13 @@ def test_iteration_line_parses():
     m = Metrics(parse_config(["--train-iters", "100"]), 0, is_logger=False)
     row = dict(iteration=7, consumed_samples=112, elapsed_ms=1234.5, tflops_per_gpu=321.0, lr=3e-4, loss=2.5, grad_norm=1.25,
                skipped=0, nan=0, imbalance=1.34, bubble=0.12, predicted_ms=1000.0, measured_ms=1100.0, mean_budget=24.5,
-               mean_coverage=0.93)
+               mean_coverage=0.93, sab_ms=1.5, dst_ms=0.25)
     line = m.line(row, 65.0)
     fields = dict(part.strip().rsplit(":", 1) for part in line.split("|")[1:] if ":" in part)
     assert fields["lm loss"].strip() == "2.500000E+00" and float(fields["imbalance"]) == 1.34
     assert re.search(r"iteration\s+7/\s+100", line) and "bubble: 12.0%" in line and "mean budget: 24.5" in line
     assert "step time predicted/measured (ms): 1000.0/1100.0" in line and "ETA: 00:01:05" in line
+    assert "SAB/DST planning (ms): 1.50/0.25" in line
 
 
 def test_resume_is_bitwise_identical(tmp_path):

@@ -56,6 +56,35 @@ def replay(paths) -> list:
     return rows
 
 
+def simulate_configs(batches, latency, pp: int, dp: int, micro_batches: int, k_base: int, warmup: int = 0,
+                     configs=CONFIGS, stage_shares=None) -> dict:
+    """Mean simulated iteration ms of each configuration over the global batches after ``warmup``.
+
+    ``batches``: the global batches' sample lengths (arrival order). Each configuration plans
+    them as the run would (SAB or not, DST anchor with ``p`` unconstrained), prices each
+    micro-batch with ``latency.predict`` (total over the stages: one stage's prediction times
+    ``pp``) and simulates 1F1B. ``stage_shares`` splits a micro-batch's cost over the stages
+    (measured shares of an uneven pipeline; default: equal).
+    """
+    shares = stage_shares or [1.0 / pp] * pp
+    times = {}
+    for name, (batching, anchor) in configs.items():
+        batcher = SparsityAwareBatcher(batching, dp, micro_batches, latency_model=latency, k_base=k_base)
+        per_iter = []
+        for lengths in batches:
+            plan = batcher.plan(lengths)
+            mbs = plan.all_micro_batch_lengths()
+            budgets = plan_budgets(mbs, latency, DSTConfig(anchor=anchor, p=None, k_base=k_base)).budgets
+            cost = [pp * latency.predict(mb, k) for mb, k in zip(mbs, budgets)]
+            m = micro_batches
+            # As in pretrain: SAB's estimator learns the budgets DST gave, for the next batches.
+            batcher.update(plan, [budgets[d * m:(d + 1) * m] for d in range(dp)])
+            replicas = [[[c * share for c in cost[d * m:(d + 1) * m]] for share in shares] for d in range(dp)]
+            per_iter.append(simulate_iteration(replicas))
+        times[name] = statistics.mean(per_iter[warmup:])
+    return times
+
+
 def predict(args, latency) -> list:
     rows = []
     for gpus in args.gpus:
@@ -65,20 +94,7 @@ def predict(args, latency) -> list:
         rng = np.random.default_rng(args.seed)
         batches = [sample_lengths(args.dist, dp * args.micro_batches * args.micro_batch_size, args.seq_length, rng).tolist()
                    for _ in range(args.warmup + args.iters)]
-        times = {}
-        for name, (batching, anchor) in CONFIGS.items():
-            batcher = SparsityAwareBatcher(batching, dp, args.micro_batches, latency_model=latency, k_base=args.moba_topk)
-            per_iter = []
-            for lengths in batches:
-                plan = batcher.plan(lengths)
-                mbs = plan.all_micro_batch_lengths()
-                budgets = plan_budgets(mbs, latency, DSTConfig(anchor=anchor, p=None, k_base=args.moba_topk)).budgets
-                cost = [latency.predict(mb, k) for mb, k in zip(mbs, budgets)]
-                m = args.micro_batches
-                # As in pretrain: SAB's estimator learns the budgets DST gave, for the next batches.
-                batcher.update(plan, [budgets[d * m:(d + 1) * m] for d in range(dp)])
-                per_iter.append(simulate_iteration([uniform_stages(cost[d * m:(d + 1) * m], args.pp) for d in range(dp)]))
-            times[name] = statistics.mean(per_iter[args.warmup:])
+        times = simulate_configs(batches, latency, args.pp, dp, args.micro_batches, args.moba_topk, args.warmup)
         for name, t in times.items():
             rows.append(dict(gpus=gpus, dp=dp, pp=args.pp, tp=args.tp, dist=args.dist, config=name, iter_ms=t,
                              speedup=times["baseline"] / t))

@@ -101,7 +101,9 @@ class SparseCoreAttention(MegatronModule):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if thd:
             cu_seqlens = packed_seq_params.cu_seqlens_q
-            if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(cu_seqlens, packed_seq_params.cu_seqlens_kv):
+            cu_kv = packed_seq_params.cu_seqlens_kv
+            # Megatron passes the same tensor for both; comparing values would stop the host every layer.
+            if cu_kv is not None and cu_kv is not cu_seqlens and not torch.equal(cu_seqlens, cu_kv):
                 raise ValueError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
             q, k, v = (x.reshape(x.shape[0], x.shape[-2], x.shape[-1]) for x in (query, key, value))
         else:

@@ -27,6 +27,7 @@ import torch
 
 from megatron_sparsebalance.data.distributions import DISTRIBUTIONS, check_distribution, sample_lengths
 from megatron_sparsebalance.data.synthetic import (
+    RETRIEVAL_DEPTHS,
     RETRIEVAL_MIN_LENGTH,
     PackedBatch,
     pack_sequences,
@@ -36,6 +37,11 @@ from megatron_sparsebalance.data.synthetic import (
 
 OVERLONG_MODES = ("truncate", "error")
 MOCK_CONTENTS = ("random", "retrieval")
+SPLITS = ("train", "validation")
+# The validation split's seed: fixed, so that runs differing only in --seed are scored on the same
+# samples. Its random streams are tagged apart from the training ones (see MockDataset), so no
+# --seed makes the two splits share a stream.
+VALIDATION_SEED = 20240611
 # One token to read and one to predict: the shortest sample that has a loss target.
 MIN_SAMPLE_LENGTH = 2
 
@@ -78,26 +84,42 @@ class TokenDataset(torch.utils.data.Dataset):
 
 
 class MockDataset(TokenDataset):
-    """``num_samples`` synthetic samples; sample ``i`` is a pure function of ``(seed, i)``."""
+    """``num_samples`` synthetic samples; sample ``i`` is a pure function of ``(seed, split, i)``.
+
+    Each split draws its lengths and its samples from random streams of its own (``split``
+    tags the generator keys), so a validation set has the training set's length distribution and
+    content but none of its samples.
+    """
 
     def __init__(self, num_samples: int, distribution: str, seq_length: int, content: str = "random",
-                 vocab_size: int = 32000, seed: int = 1234):
+                 vocab_size: int = 32000, seed: int = 1234, retrieval_depth: str = "early", split: str = "train"):
         check_distribution(distribution)
         if content not in MOCK_CONTENTS:
             raise ValueError(f"--mock-content must be one of {MOCK_CONTENTS}, got {content!r}")
+        if retrieval_depth not in RETRIEVAL_DEPTHS:
+            raise ValueError(f"--mock-retrieval-depth must be one of {RETRIEVAL_DEPTHS}, got {retrieval_depth!r}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if vocab_size < 2:
             raise ValueError(f"--mock-vocab-size must be >= 2, got {vocab_size}")
         min_length = RETRIEVAL_MIN_LENGTH if content == "retrieval" else MIN_SAMPLE_LENGTH
         if seq_length < min_length:
             raise ValueError(f"--seq-length must be >= {min_length} for --mock-content {content}, got {seq_length}")
         self.distribution, self.content, self.vocab_size, self.seed = distribution, content, vocab_size, seed
-        self.lengths = sample_lengths(distribution, num_samples, seq_length, np.random.default_rng([seed, 0]), min_length)
+        self.retrieval_depth, self.split = retrieval_depth, split
+        # Stream tags: 0 and 1 (lengths, samples) for training, as before splits existed, so
+        # training data is unchanged; 2 and 3 for validation.
+        self._stream = 2 * SPLITS.index(split)
+        rng = np.random.default_rng([seed, self._stream])
+        self.lengths = sample_lengths(distribution, num_samples, seq_length, rng, min_length)
 
     def __getitem__(self, index: int) -> Sample:
         # A generator per sample: any sample can be read alone, in any order, on any rank.
-        rng = np.random.default_rng([self.seed, 1, int(index)])
-        make = retrieval_sample if self.content == "retrieval" else random_token_sample
-        return Sample(*make(int(self.lengths[index]), self.vocab_size, rng))
+        rng = np.random.default_rng([self.seed, self._stream + 1, int(index)])
+        length = int(self.lengths[index])
+        if self.content == "retrieval":
+            return Sample(*retrieval_sample(length, self.vocab_size, rng, self.retrieval_depth))
+        return Sample(*random_token_sample(length, self.vocab_size, rng))
 
 
 def load_tokenizer(path: str):
@@ -267,6 +289,14 @@ class DataConfig:
     mock_vocab_size: int = 32000
     """Token ids of mock samples are below this."""
 
+    mock_retrieval_depth: str = "early"
+    """Where --mock-content retrieval plants the record: early (first tenth: the question is about a
+    whole sample away) or uniform (anywhere before the question: distances from a few tokens up)."""
+
+    valid_data_path: Optional[str] = None
+    """Validation data for --eval-interval when it is not mock data: a .jsonl file or a .bin/.idx
+    prefix (Megatron's --valid-data-path). Mock runs draw a held-out mock split instead."""
+
     seed: int = 1234
     """Seed of the mock data and of the sample order (Megatron's ``--seed``)."""
 
@@ -280,6 +310,8 @@ class DataConfig:
                 raise ValueError(f"--mock-content must be one of {MOCK_CONTENTS}, got {self.mock_content!r}")
             if self.mock_samples < 1:
                 raise ValueError(f"--mock-samples must be >= 1, got {self.mock_samples}")
+            if self.mock_retrieval_depth not in RETRIEVAL_DEPTHS:
+                raise ValueError(f"--mock-retrieval-depth must be one of {RETRIEVAL_DEPTHS}, got {self.mock_retrieval_depth!r}")
         elif not self.data_path:
             raise ValueError("--data-path is required unless --mock-data is given")
         elif self.data_path.endswith(".jsonl") and not self.tokenizer_model:
@@ -291,10 +323,27 @@ def build_dataset(cfg: DataConfig) -> TokenDataset:
     cfg.validate()
     if cfg.mock_data:
         return MockDataset(cfg.mock_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content,
-                           cfg.mock_vocab_size, cfg.seed)
-    if cfg.data_path.endswith(".jsonl"):
-        return JsonlDataset(cfg.data_path, cfg.tokenizer_model, cfg.seq_length, cfg.overlong_samples)
-    return IndexedTokenDataset(cfg.data_path, cfg.seq_length, cfg.overlong_samples)
+                           cfg.mock_vocab_size, cfg.seed, cfg.mock_retrieval_depth)
+    return _file_dataset(cfg.data_path, cfg)
+
+
+def _file_dataset(path: str, cfg: DataConfig) -> TokenDataset:
+    if path.endswith(".jsonl"):
+        return JsonlDataset(path, cfg.tokenizer_model, cfg.seq_length, cfg.overlong_samples)
+    return IndexedTokenDataset(path, cfg.seq_length, cfg.overlong_samples)
+
+
+def build_validation_dataset(cfg: DataConfig, num_samples: int) -> TokenDataset:
+    """The held-out samples of evaluation: ``--valid-data-path``, else (mock data) ``num_samples``
+    of the mock validation split, drawn like the training samples but from their own streams and
+    seed (``VALIDATION_SEED``), so they never repeat a training sample whatever ``--seed`` is."""
+    cfg.validate()
+    if cfg.valid_data_path:
+        return _file_dataset(cfg.valid_data_path, cfg)
+    if not cfg.mock_data:
+        raise ValueError("evaluation needs validation data: --valid-data-path, or --mock-data")
+    return MockDataset(num_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content, cfg.mock_vocab_size,
+                       VALIDATION_SEED, cfg.mock_retrieval_depth, split="validation")
 
 
 def pack_micro_batch(dataset: TokenDataset, indices: Sequence[int]) -> PackedBatch:
@@ -307,6 +356,7 @@ def pack_micro_batch(dataset: TokenDataset, indices: Sequence[int]) -> PackedBat
 
 __all__ = [
     "DISTRIBUTIONS", "MOCK_CONTENTS", "OVERLONG_MODES", "DataConfig", "IndexedTokenDataset", "JsonlDataset",
-    "MockDataset", "Sample", "TokenDataset", "build_dataset", "load_tokenizer", "pack_micro_batch",
+    "MockDataset", "Sample", "TokenDataset", "VALIDATION_SEED", "build_dataset", "build_validation_dataset",
+    "load_tokenizer", "pack_micro_batch",
     "write_indexed_dataset",
 ]

@@ -72,6 +72,7 @@ RETRIEVAL_VALUE_TOKENS = 4
 _RECORD = 2 + RETRIEVAL_KEY_TOKENS + RETRIEVAL_VALUE_TOKENS
 # Two records (the plant and the question) and at least a few filler tokens between them.
 RETRIEVAL_MIN_LENGTH = 2 * _RECORD + 4
+RETRIEVAL_DEPTHS = ("early", "uniform")
 
 
 def random_token_sample(length: int, vocab_size: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,14 +81,18 @@ def random_token_sample(length: int, vocab_size: int, rng) -> tuple[torch.Tensor
     return tokens, torch.ones(length)
 
 
-def retrieval_sample(length: int, vocab_size: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
-    """A key/value record planted in the first tenth, asked for at the very end.
+def retrieval_sample(length: int, vocab_size: int, rng, depth: str = "early") -> tuple[torch.Tensor, torch.Tensor]:
+    """A key/value record planted early (or anywhere, ``depth``), asked for at the very end.
 
     Layout: ``filler .. KEY k1..k4 VALUE v1..v4 .. filler .. QUERY k1..k4 ANSWER v1..v4``. The
     target mask (what ``pack_sequences`` turns into the loss mask) is 1 exactly on the answer
-    tokens ``v1..v4`` at the end: they are predictable only from the planted record, which sits
-    most of the sequence back, so the loss and the answer accuracy measure whether attention (the
-    sparse router included) reaches that far.
+    tokens ``v1..v4`` at the end: they are predictable only from the planted record, so the loss
+    and the answer accuracy measure whether attention (the sparse router included) reaches it.
+
+    ``depth`` (``--mock-retrieval-depth``): ``early`` plants the record in the first tenth, so the
+    distance to the question is about the whole length; ``uniform`` plants it anywhere before the
+    question, so distances spread from a few tokens to the length and accuracy can be told apart
+    by distance (:func:`retrieval_distance`).
     """
     if length < RETRIEVAL_MIN_LENGTH:
         raise ValueError(f"--seq-length must be >= {RETRIEVAL_MIN_LENGTH} for --mock-content retrieval, got a sample of {length}")
@@ -98,9 +103,27 @@ def retrieval_sample(length: int, vocab_size: int, rng) -> tuple[torch.Tensor, t
     value = rng.integers(RETRIEVAL_RESERVED, vocab_size, RETRIEVAL_VALUE_TOKENS, dtype="int64")
     plant = [KEY_MARK, *key, VALUE_MARK, *value]
     question = [QUERY_MARK, *key, ANSWER_MARK, *value]
-    start = int(rng.integers(0, max(1, length // 10 - _RECORD)))
+    if depth not in RETRIEVAL_DEPTHS:
+        raise ValueError(f"--mock-retrieval-depth must be one of {RETRIEVAL_DEPTHS}, got {depth!r}")
+    if depth == "early":
+        start = int(rng.integers(0, max(1, length // 10 - _RECORD)))
+    else:
+        start = int(rng.integers(0, length - 2 * _RECORD + 1))
     tokens[start:start + _RECORD] = plant
     tokens[length - _RECORD:] = question
     mask = torch.zeros(length)
     mask[length - RETRIEVAL_VALUE_TOKENS:] = 1.0
     return torch.from_numpy(tokens), mask
+
+
+def retrieval_distance(tokens: torch.Tensor) -> int:
+    """Tokens from the planted record to the question in one retrieval sample (``[n]`` ids).
+
+    Read from the markers, which filler never contains, rather than carried beside the sample:
+    it is then a fact about the tokens the model saw, and needs no metadata through packing.
+    """
+    key = (tokens == KEY_MARK).nonzero()
+    query = (tokens == QUERY_MARK).nonzero()
+    if len(key) != 1 or len(query) != 1:
+        raise ValueError(f"not a retrieval sample: {len(key)} KEY and {len(query)} QUERY markers")
+    return int(query[0, 0] - key[0, 0])

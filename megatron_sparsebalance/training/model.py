@@ -30,9 +30,11 @@ class ModelShape:
     untie_embeddings_and_output_weights: bool = False
 
 
-# Qwen2.5 shapes as published in their config.json files.
+# Qwen2.5 shapes as published in their config.json files; "fidelity-small" is trained from scratch
+# on mock retrieval data by benchmarks/fidelity.py (its 512-token vocabulary goes with --mock-vocab-size 512).
 MODEL_PRESETS = {
     "tiny": ModelShape(2, 128, 256, 4, 2, 32, 512),
+    "fidelity-small": ModelShape(8, 512, 1536, 8, 2, 64, 512),
     "qwen2.5-0.5b": ModelShape(24, 896, 4864, 14, 2, 64, 151936),
     "qwen2.5-3b": ModelShape(36, 2048, 11008, 16, 2, 128, 151936, untie_embeddings_and_output_weights=True),
 }
@@ -44,7 +46,10 @@ def transformer_config(
     tensor_parallel_size: int = 1,
     bf16: bool = False,
     num_layers: Optional[int] = None,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
 ) -> TransformerConfig:
+    """megatron-core's config of a Qwen2-style GPT; ``first/last_stage_layers`` make the pipeline uneven."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
         num_layers=num_layers or shape.num_layers,
@@ -65,6 +70,8 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         pipeline_model_parallel_size=pipeline_parallel_size,
+        num_layers_in_first_pipeline_stage=first_stage_layers,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
         tensor_model_parallel_size=tensor_parallel_size,
         use_cpu_initialization=not torch.cuda.is_available(),
         init_method_std=0.02,

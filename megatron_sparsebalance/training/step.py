@@ -79,3 +79,37 @@ def layers_per_stage(num_layers: int, pp: Optional[int] = None) -> int:
     if num_layers % pp:
         raise ValueError(f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
     return num_layers // pp
+
+
+def pipeline_layer_split(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None) -> list[int]:
+    """Transformer layers per pipeline stage, Megatron-LM's rule for uneven pipelines.
+
+    ``first`` / ``last`` (``--decoder-first-pipeline-num-layers`` /
+    ``--decoder-last-pipeline-num-layers``) fix the end stages; the other stages share the
+    remaining layers evenly. The last stage also holds the output layer and the loss, which for
+    a 152K vocabulary costs about as much as six Qwen2.5-0.5B layers, so giving it fewer layers
+    is how a Megatron user balances the stages.
+    """
+    if first is None and last is None:
+        return [layers_per_stage(num_layers, pp)] * pp
+    if pp < 2:
+        raise ValueError("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers need "
+                         f"--pipeline-model-parallel-size >= 2, got {pp}")
+    for flag, v in (("first", first), ("last", last)):
+        if v is not None and v < 1:
+            raise ValueError(f"--decoder-{flag}-pipeline-num-layers must be >= 1, got {v}")
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    if middle_stages == 0 and middle_layers != 0 or middle_stages > 0 and (
+            middle_layers < middle_stages or middle_layers % middle_stages):
+        raise ValueError(
+            f"--num-layers {num_layers} minus --decoder-first/last-pipeline-num-layers leaves {middle_layers} layers "
+            f"for {middle_stages} other stage(s) of --pipeline-model-parallel-size {pp}: they must split evenly, "
+            "at least one layer each")
+    each = middle_layers // middle_stages if middle_stages else 0
+    split = [each] * pp
+    if first is not None:
+        split[0] = first
+    if last is not None:
+        split[-1] = last
+    return split

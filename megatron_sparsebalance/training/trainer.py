@@ -90,6 +90,8 @@ class Trainer:
         calibrate: bool = True,
         num_layers: Optional[int] = None,
         dp_comm: Optional[DPCommConfig] = None,
+        first_stage_layers: Optional[int] = None,
+        last_stage_layers: Optional[int] = None,
     ):
         self.shape, self.sparse, self.dst = shape, sparse.validate(), dst.validate()
         optim.validate()
@@ -98,7 +100,8 @@ class Trainer:
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.config = transformer_config(shape, pipeline_parallel_size=pp, tensor_parallel_size=tp, bf16=bf16,
-                                         num_layers=num_layers)
+                                         num_layers=num_layers, first_stage_layers=first_stage_layers,
+                                         last_stage_layers=last_stage_layers)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         model = build_gpt_model(shape, sparse, self.config, max_sequence_length, **stage_flags()).to(device)
         if bf16:

@@ -1,0 +1,374 @@
+"""Fidelity: does training with DST + SAB reach the quality of the fixed budget (and of dense)?
+
+Each configuration is one ``megatron_sparsebalance.pretrain`` run from scratch on the mock
+retrieval task (longtail lengths up to ``--seq-length``), on the same tokens (same
+``--train-iters``, global batch and ``--seed``, hence the same samples in the same order),
+evaluated on the held-out split at the fixed budget ``--moba-topk`` (training/evaluate.py)::
+
+    python -m benchmarks.fidelity --out benchmarks/results          # all five, GPUs shared out
+    python -m benchmarks.fidelity --configs dense sb_p0.1 --model tiny --seq-length 1024 --train-iters 2 \\
+        --eval-interval 2 --eval-iters 1 --global-batch-size 4 --mock-vocab-size 64 --moba-block-size 64 \\
+        --moba-topk 4 --sparse-attn-impl torch --out /tmp/fidelity            # CPU smoke (~15 s)
+
+Configurations: ``dense`` (``--no-sparse-attention``), ``fixed`` (``--dst-anchor none``, samples in
+arrival order: the paper's baseline), ``fixed_seed2`` (the same with ``--seed2``: how far two
+seeds of one method land apart, the yardstick for the other gaps), ``sb_p0.1`` and ``sb_p0.2``
+(``--dst-anchor mean --dst-p P --batching sab``). Runs go ``--gpus-per-run`` GPUs each, as many at
+once as the visible GPUs allow (``CUDA_VISIBLE_DEVICES`` per slot); without GPUs one after the
+other, ``--gpus-per-run`` gloo processes each. Flags this script does not know are passed on to
+every run, after its own, so they override them.
+
+Measured per run: ``wall_s``, the training iterations' own time (pretrain's per-iteration
+``elapsed_ms`` summed: no start-up, no evaluation), and ``process_wall_s``, the whole torchrun
+process. Writes ``<out>/fidelity.json`` (``{"gpu", "rows": [{"config", "tokens", "val_loss",
+"retrieval_acc", "acc_by_length", "mean_budget", "mean_coverage", "wall_s", ...}]}``, budgets and
+coverage are training means, None for dense), ``fidelity_loss.png``, ``fidelity_acc.png``, and
+keeps every run's logs, config, ``metrics.jsonl`` and ``eval.jsonl`` under ``<runs-dir>/<config>/``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+# In the order they start: when GPUs are few, the baseline and SparseBalance come first.
+CONFIGS = ("fixed", "sb_p0.1", "dense", "fixed_seed2", "sb_p0.2")
+
+
+@dataclass
+class Run:
+    config: str
+    seed: int
+    flags: list
+    log_dir: str
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument("--model", default="fidelity-small", help="pretrain --model preset")
+    p.add_argument("--train-iters", type=int, default=100)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch on average (packs)")
+    p.add_argument("--seq-length", type=int, default=32768)
+    p.add_argument("--eval-interval", type=int, default=25)
+    p.add_argument("--eval-iters", type=int, default=4, help="validation global batches per evaluation")
+    p.add_argument("--mock-vocab-size", type=int, default=512, help="at most the model's vocabulary")
+    p.add_argument("--mock-retrieval-depth", default="uniform", choices=("early", "uniform"),
+                   help="uniform spreads the record-to-question distance, so accuracy can be read by distance")
+    p.add_argument("--moba-block-size", type=int, default=128)
+    p.add_argument("--moba-topk", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr", type=float, default=1e-4)
+    p.add_argument("--lr-warmup-iters", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed2", type=int, default=4321, help="the seed of fixed_seed2")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="auto: --bf16 on GPUs, fp32 on the CPU")
+    p.add_argument("--gpus-per-run", type=int, default=1, help="processes (GPUs) per run: PP x DP")
+    p.add_argument("--pp", type=int, default=1, help="--pipeline-model-parallel-size of every run")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="a run still going after this is stopped")
+    p.add_argument("--total-timeout-s", type=float, default=None,
+                   help="stop whatever still runs after this long, and start nothing new")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--runs-dir", default=None, help="run logs (default: <out>/fidelity_runs)")
+    args, extra = p.parse_known_args(argv)
+    args.extra = extra
+    if args.gpus_per_run < 1 or args.gpus_per_run % args.pp:
+        p.error(f"--gpus-per-run ({args.gpus_per_run}) must be a positive multiple of --pp ({args.pp})")
+    args.runs_dir = args.runs_dir or os.path.join(args.out, "fidelity_runs")
+    return args
+
+
+def config_flags(config: str) -> list:
+    """What sets a configuration apart (the rest of the command is common)."""
+    if config == "dense":
+        return ["--no-sparse-attention", "--dst-anchor", "none", "--batching", "none"]
+    if config in ("fixed", "fixed_seed2"):
+        return ["--dst-anchor", "none", "--batching", "none"]
+    p = config.removeprefix("sb_p")
+    return ["--dst-anchor", "mean", "--dst-p", p, "--batching", "sab"]
+
+
+def build_runs(args, on_gpus: bool) -> list:
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and on_gpus)
+    runs = []
+    for config in args.configs:
+        seed = args.seed2 if config == "fixed_seed2" else args.seed
+        flags = [
+            "--model", args.model, "--pipeline-model-parallel-size", str(args.pp),
+            "--mock-data", "--mock-length-distribution", "longtail", "--mock-content", "retrieval",
+            "--mock-retrieval-depth", args.mock_retrieval_depth, "--mock-vocab-size", str(args.mock_vocab_size),
+            "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size),
+            "--micro-batch-size", str(args.micro_batch_size), "--train-iters", str(args.train_iters),
+            "--moba-block-size", str(args.moba_block_size), "--moba-topk", str(args.moba_topk),
+            "--lr", str(args.lr), "--min-lr", str(args.min_lr), "--lr-warmup-iters", str(args.lr_warmup_iters),
+            "--lr-decay-iters", str(args.train_iters), "--seed", str(seed),
+            "--eval-interval", str(args.eval_interval), "--eval-iters", str(args.eval_iters),
+            "--log-interval", str(max(1, args.train_iters // 20)), *(["--bf16"] if bf16 else []),
+            *config_flags(config), *args.extra,
+        ]
+        runs.append(Run(config, seed, flags, os.path.join(args.runs_dir, config)))
+    return runs
+
+
+def visible_gpus() -> list:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries for the runs."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited:  # a run's "0" must be the first GPU given to us, not physical GPU 0
+        return [g.strip() for g in inherited.split(",") if g.strip()][:count]
+    return [str(i) for i in range(count)]
+
+
+def launch(run: Run, nproc: int, gpus: list) -> tuple:
+    """Start one run (torchrun, its own log dir); returns (process, start time, log file)."""
+    shutil.rmtree(run.log_dir, ignore_errors=True)  # pretrain appends to metrics.jsonl / eval.jsonl
+    os.makedirs(run.log_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "megatron_sparsebalance.pretrain", *run.flags, "--log-dir", run.log_dir]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    else:
+        env["OMP_NUM_THREADS"] = "1"  # several processes share the CPU
+    log = open(os.path.join(run.log_dir, "pretrain.log"), "w")
+    log.write(" ".join(cmd) + "\n\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, time.perf_counter(), log
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a run: torchrun and its workers (their own process group), politely first."""
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
+
+
+def run_all(runs: list, args, gpus: list) -> dict:
+    """Run every configuration, ``len(gpus) // --gpus-per-run`` at a time (one after the other
+    without GPUs); returns ``{config: (exit code, process seconds)}``. A run past ``--timeout-s``,
+    or still going at ``--total-timeout-s``, is stopped (exit code -9 / -15); runs not started by
+    then are left out."""
+    if gpus and len(gpus) < args.gpus_per_run:
+        raise SystemExit(f"--gpus-per-run {args.gpus_per_run} but only {len(gpus)} GPUs are visible")
+    slots = [gpus[i * args.gpus_per_run:(i + 1) * args.gpus_per_run] for i in range(len(gpus) // args.gpus_per_run)] or [[]]
+    deadline = time.perf_counter() + args.total_timeout_s if args.total_timeout_s else math.inf
+    pending, running, done = list(runs), {}, {}
+    while running or (pending and time.perf_counter() < deadline):
+        for slot_id, slot in enumerate(slots):
+            if slot_id not in running and pending and time.perf_counter() < deadline:
+                run = pending.pop(0)
+                running[slot_id] = (run, *launch(run, args.gpus_per_run, slot))
+                print(f"[fidelity] {run.config}: started on {'GPUs ' + ','.join(slot) if slot else 'CPU'}", flush=True)
+        time.sleep(0.5)
+        for slot_id, (run, proc, t0, log) in list(running.items()):
+            now = time.perf_counter()
+            if proc.poll() is None and (now - t0 > args.timeout_s or now > deadline):
+                print(f"[fidelity] {run.config}: stopped after {now - t0:.0f} s (time limit)", flush=True)
+                stop(proc)
+            if proc.poll() is not None:
+                log.close()
+                done[run.config] = (proc.returncode, time.perf_counter() - t0)
+                del running[slot_id]
+                print(f"[fidelity] {run.config}: exit {proc.returncode} after {done[run.config][1]:.1f} s", flush=True)
+    for run in pending:
+        print(f"[fidelity] {run.config}: not started (--total-timeout-s)", flush=True)
+    return done
+
+
+# ---- results ---------------------------------------------------------------------------------
+
+
+def read_jsonl(path: str) -> list:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def trained_tokens(config: dict, iterations: int) -> int:
+    """Tokens of the samples a run trained on: its data set and sample order, rebuilt from the
+    run's own config.json (so pass-through flags are honoured)."""
+    from megatron_sparsebalance.data.datasets import DataConfig, build_dataset
+    from megatron_sparsebalance.data.sampler import GlobalBatchSampler
+
+    dataset = build_dataset(DataConfig(**config["data"]))
+    sampler = GlobalBatchSampler(dataset.lengths, config["training"]["global_batch_size"], batcher=None,
+                                 seed=config["data"]["seed"])
+    return int(sum(dataset.lengths[sampler.next_indices()].sum() for _ in range(iterations)))
+
+
+def chance(config: dict) -> dict:
+    """What a model that never finds the record scores: values are uniform over the non-marker ids."""
+    from megatron_sparsebalance.data.synthetic import RETRIEVAL_RESERVED, RETRIEVAL_VALUE_TOKENS
+
+    values = config["data"]["mock_vocab_size"] - RETRIEVAL_RESERVED
+    return {"loss": math.log(values), "token_acc": 1 / values, "acc": values ** -RETRIEVAL_VALUE_TOKENS}
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None and v == v]  # drop None and NaN
+    return sum(values) / len(values) if values else None
+
+
+def result_row(run: Run, exit_code: int | None, process_s: float, nproc: int, pp: int) -> dict:
+    if exit_code is None:
+        return {"config": run.config, "seed": run.seed, "exit_code": None, "error": "not started: --total-timeout-s"}
+    metrics = read_jsonl(os.path.join(run.log_dir, "metrics.jsonl"))
+    evals = read_jsonl(os.path.join(run.log_dir, "eval.jsonl"))
+    row = {"config": run.config, "seed": run.seed, "exit_code": exit_code, "process_wall_s": process_s,
+           "layout": {"processes": nproc, "pp": pp, "dp": nproc // pp}, "log_dir": run.log_dir}
+    if exit_code != 0 or not metrics or not evals:
+        with open(os.path.join(run.log_dir, "pretrain.log")) as f:
+            row["error"] = f.read()[-3000:]
+        return row
+    with open(os.path.join(run.log_dir, "config.json")) as f:
+        config = json.load(f)
+    final = evals[-1]
+    dense = not config["sparse"]["sparse_attention"]
+    row.update({
+        "iterations": metrics[-1]["iteration"],
+        "tokens": trained_tokens(config, metrics[-1]["iteration"]),
+        "val_loss": final["loss"],
+        "retrieval_acc": final["acc"],
+        "token_acc": final["token_acc"],
+        "acc_by_length": final["acc_by_length"],
+        "acc_by_distance": final.get("acc_by_distance", {}),
+        "val_samples": final["samples"],
+        "chance": chance(config),
+        "mean_budget": None if dense else _mean(r["mean_budget"] for r in metrics),
+        "mean_coverage": None if dense else _mean(r["mean_coverage"] for r in metrics),
+        "eval_coverage": final["mean_coverage"],
+        "wall_s": sum(r["elapsed_ms"] for r in metrics) / 1e3,
+        "eval_s": sum(r["eval_ms"] for r in evals) / 1e3,
+        "final_train_loss": _mean(r["loss"] for r in metrics[-max(1, len(metrics) // 10):]),
+        "loss_curve": [[r["iteration"], r["loss"]] for r in metrics],
+        "eval_curve": [[r["iteration"], r["loss"], r["acc"], r["token_acc"]] for r in evals],
+    })
+    return row
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
+    try:
+        from importlib.metadata import version
+
+        env["megatron_core"] = version("megatron-core")
+    except Exception:  # not installed as a distribution: leave it out
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "gpus_visible": torch.cuda.device_count() if torch.cuda.is_available() else 0, "versions": env}
+
+
+def plot(rows: list, out_dir: str) -> list:
+    """Loss curves and accuracy by length / distance bucket, as PNGs (matplotlib imported here only)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "loss_curve" in r]
+    if not ok:
+        return []
+    paths = []
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in ok:
+        it, loss = zip(*r["loss_curve"])
+        ax_train.plot(it, loss, label=r["config"], linewidth=1)
+        ev = r["eval_curve"]
+        ax_val.plot([e[0] for e in ev], [e[1] for e in ev], marker="o", label=r["config"])
+    ax_train.set(xlabel="iteration", ylabel="training loss (answer tokens)", title="training loss")
+    ax_val.set(xlabel="iteration", ylabel="validation loss", title="validation loss (fixed budget)")
+    for ax in (ax_train, ax_val):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "fidelity_loss.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    # Exact match can sit at 0 for every configuration early in training; per-token accuracy
+    # still tells them apart, so both are drawn.
+    groups = [("acc_by_length", "sequence length"), ("acc_by_distance", "record-to-question distance")]
+    metrics = [("acc", "retrieval accuracy (exact match)"), ("token_acc", "answer-token accuracy")]
+    fig, axes = plt.subplots(len(metrics), len(groups), figsize=(12, 8), squeeze=False)
+    width = 0.8 / len(ok)
+    for col, (key, what) in enumerate(groups):
+        labels = sorted({b for r in ok for b in r.get(key, {})}, key=lambda b: int(b.split("-")[1]))
+        for row, (metric, name) in enumerate(metrics):
+            ax = axes[row][col]
+            for i, r in enumerate(ok):
+                ax.bar([j + i * width for j in range(len(labels))],
+                       [r.get(key, {}).get(b, {}).get(metric, 0.0) for b in labels], width, label=r["config"])
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, rotation=30, fontsize=8)
+            ax.set(xlabel=f"{what} (tokens)", ylabel=name, ylim=(0, 1), title=f"{name} by {what}")
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "fidelity_acc.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    gpus = visible_gpus()
+    runs = build_runs(args, on_gpus=bool(gpus))
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.perf_counter()
+    done = run_all(runs, args, gpus)
+    rows = [result_row(r, *done.get(r.config, (None, 0.0)), args.gpus_per_run, args.pp) for r in runs]
+    result = {**environment(), "rows": rows, "total_wall_s": time.perf_counter() - t0,
+              "settings": dict(vars(args)),
+              "commands": {r.config: r.flags for r in runs},
+              "measured": "wall_s: training iterations only (sum of pretrain's elapsed_ms); process_wall_s: the "
+                          "whole torchrun process (start-up, evaluations, exit); budgets and coverage: training "
+                          "means; val_* and acc: the last evaluation, at the fixed budget --moba-topk"}
+    try:
+        result["plots"] = plot(rows, args.out)
+    except ImportError as exc:  # matplotlib is optional: the JSON is the result
+        print(f"[fidelity] no plots: {exc}", flush=True)
+    path = os.path.join(args.out, "fidelity.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    print(f"{'config':<12} {'tokens':>10} {'val loss':>9} {'acc':>6} {'tok acc':>7} {'budget':>6} {'cover':>6} {'train s':>8}")
+    for r in rows:
+        if "error" in r:
+            why = r["error"] if r["exit_code"] is None else f"exit {r['exit_code']}, see {r['log_dir']}/pretrain.log"
+            print(f"{r['config']:<12} FAILED: {why}")
+            continue
+        print(f"{r['config']:<12} {r['tokens']:>10d} {r['val_loss']:>9.4f} {r['retrieval_acc']:>6.3f} "
+              f"{r['token_acc']:>7.3f} {_fmt(r['mean_budget'], '.2f'):>6} {_fmt(r['mean_coverage'], '.3f'):>6} "
+              f"{r['wall_s']:>8.1f}")
+    print(f"wrote {path}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Evaluation on held-out data (``--eval-interval``, ``--eval-iters``): loss and answer accuracy.
+
+Owns the validation pass of a run, what it measures and how it is logged. Decisions:
+
+- **Fixed budget.** Every micro-batch runs at ``--moba-topk``, DST off: evaluation measures the
+  model a run trained, not its load balancer (DST's budgets are a speed knob of training). Dense
+  runs (``--no-sparse-attention``) evaluate dense.
+- **Validation data.** Mock runs draw a held-out split (:func:`build_validation_dataset`): the
+  training distribution, content and ``--mock-retrieval-depth``, from random streams of its own
+  and a fixed seed, so it holds no training sample and runs that differ only in ``--seed`` are
+  scored on the same samples. Other runs read ``--valid-data-path``. Every evaluation scores the
+  same ``--eval-iters`` global batches, so the points of a curve differ only by the weights.
+- **The training path, forward only.** The global batches are planned by a copy of the run's
+  batcher (SAB, LBB or arrival order), packed into the same THD micro-batches and run by our 1F1B
+  schedule with ``forward_only=True``, under any PP x DP.
+- **Metrics**, per sample on the last stage, then over every sample of every DP rank: per-token
+  loss (sum over target tokens / their count, as Megatron's ``evaluate``), per-token accuracy
+  (argmax = label) and exact match (every target token right: for ``--mock-content retrieval``
+  the 4 answer tokens, i.e. the retrieval accuracy), also by sequence length and, for retrieval,
+  by the distance from the planted record to the question.
+
+Rows go to ``eval.jsonl`` in the log directory, to TensorBoard (``eval/...``) and to the log as
+Megatron's ``validation loss at iteration N`` line.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.utils import get_attr_wrapped_model
+
+from megatron_sparsebalance.balance.dst import DSTConfig
+from megatron_sparsebalance.balance.sab import SparsityEstimator
+from megatron_sparsebalance.data.datasets import build_validation_dataset
+from megatron_sparsebalance.data.sampler import GlobalBatchSampler
+from megatron_sparsebalance.data.synthetic import PackedBatch, retrieval_distance
+from megatron_sparsebalance.pipeline.schedule import forward_backward_sparsebalance
+from megatron_sparsebalance.training.step import pipeline_plans
+
+
+class SampleScore(NamedTuple):
+    """One validation sample's outcome (host numbers: gathered across ranks as objects)."""
+
+    length: int
+    distance: Optional[int]
+    """Tokens from the planted record to the question (retrieval samples), else None."""
+    loss_sum: float
+    """Summed cross entropy over the sample's target tokens."""
+    targets: int
+    correct: int
+    """Target tokens whose argmax prediction is the label."""
+
+
+# ---- the last stage: loss and argmax per sample ---------------------------------------------
+
+
+def eval_forward_step(data_iterator, model):
+    """``forward_step_func`` of evaluation: the training loss plus, per sample, what the argmax got right.
+
+    The loss is megatron-core's own per-token cross entropy (labels given, as in training); the
+    predictions come from a forward hook on the output layer, which sees the logits ``[s, b, V]``
+    that loss is computed from. Asking the model for logits instead (no labels) would make a
+    second, transposed copy of them and need a cross entropy of our own. The report's
+    ``per_sample`` is ``[3, n]``: loss sum, target tokens and correct tokens of the pack's ``n``
+    sequences. Assumes the whole vocabulary on one rank (TP = 1, which the run checks).
+    """
+    batch: PackedBatch = next(data_iterator)
+    captured = {}
+
+    def keep_prediction(_module, _inputs, out) -> None:  # None: the output goes on unchanged
+        captured.setdefault("prediction", out[0].argmax(dim=-1))
+
+    hook = None
+    if parallel_state.is_pipeline_last_stage():
+        hook = get_attr_wrapped_model(model, "output_layer").register_forward_hook(keep_prediction)
+    try:
+        output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                       packed_seq_params=batch.packed_seq_params())
+    finally:
+        if hook is not None:
+            hook.remove()
+
+    def loss_func(per_token_loss):
+        mask = batch.loss_mask[0].to(per_token_loss.device)
+        loss = per_token_loss[0].float() * mask
+        prediction = captured["prediction"][:, 0]  # [s, b=1]: THD packs are one row
+        right = (prediction == batch.labels[0]).float() * mask
+        lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long().to(mask.device)
+        sample_of = torch.repeat_interleave(torch.arange(len(lengths), device=mask.device), lengths,
+                                            output_size=mask.numel())
+        per_sample = torch.zeros(3, len(lengths), dtype=torch.float64, device=mask.device)
+        per_sample.index_add_(1, sample_of, torch.stack([loss, mask, right]).double())
+        total, tokens = loss.sum(), mask.sum().to(torch.int)
+        return total, tokens, {"loss_sum": total.detach(), "tokens": tokens.detach(), "per_sample": per_sample}
+
+    return output, loss_func
+
+
+# ---- reductions ------------------------------------------------------------------------------
+
+
+def bucket_of(value: int) -> str:
+    """Power-of-two bucket ``"lo-hi"`` holding ``lo < value <= hi`` (e.g. 12000 -> ``"8192-16384"``)."""
+    hi = 1 << max(0, int(value) - 1).bit_length()
+    return f"{hi // 2}-{hi}"
+
+
+def _bucket_key(label: str) -> int:
+    return int(label.split("-")[1])
+
+
+def score_table(scores: Sequence[SampleScore]) -> dict:
+    """Samples, exact match, token accuracy and per-token loss of a set of samples."""
+    targets = sum(s.targets for s in scores)
+    return {
+        "samples": len(scores),
+        "acc": sum(s.correct == s.targets for s in scores) / len(scores) if scores else float("nan"),
+        "token_acc": sum(s.correct for s in scores) / targets if targets else float("nan"),
+        "loss": sum(s.loss_sum for s in scores) / targets if targets else float("nan"),
+    }
+
+
+def bucketed(scores: Sequence[SampleScore], key) -> dict:
+    """:func:`score_table` per power-of-two bucket of ``key(score)``, buckets in ascending order."""
+    groups: dict = {}
+    for s in scores:
+        groups.setdefault(bucket_of(key(s)), []).append(s)
+    return {label: score_table(groups[label]) for label in sorted(groups, key=_bucket_key)}
+
+
+def summarize(scores: Sequence[SampleScore], retrieval: bool) -> dict:
+    """Everything one evaluation reports. Samples without a target token count in nothing."""
+    scored = [s for s in scores if s.targets > 0]
+    table = score_table(scored)
+    out = {
+        "loss": table["loss"],
+        "ppl": math.exp(min(20.0, table["loss"])) if math.isfinite(table["loss"]) else float("nan"),
+        "acc": table["acc"],
+        "token_acc": table["token_acc"],
+        "samples": len(scored),
+        "target_tokens": sum(s.targets for s in scored),
+        "tokens": sum(s.length for s in scores),
+        "acc_by_length": bucketed(scored, lambda s: s.length),
+    }
+    if retrieval:
+        out["acc_by_distance"] = bucketed(scored, lambda s: s.distance)
+    return out
+
+
+def validation_lines(row: dict, retrieval: bool) -> str:
+    """Megatron-LM's validation block for an evaluation row, with the accuracy figures."""
+    acc_name = "retrieval acc" if retrieval else "exact-match acc"
+    text = (f" validation loss at iteration {row['iteration']} | lm loss value: {row['loss']:.6E} |"
+            f" lm loss PPL: {row['ppl']:.6E} | {acc_name}: {row['acc']:.4f} | token acc: {row['token_acc']:.4f} |"
+            f" samples: {row['samples']} |"
+            + (f" coverage at k={row['budget']}: {row['mean_coverage']:.3f} |" if row["mean_coverage"] is not None
+               else ""))
+    rule = "-" * (len(text) + 1)
+    parts = [rule, text]
+    for group, name in (("acc_by_length", "by length"), ("acc_by_distance", "by distance")):
+        if group in row:
+            cells = " | ".join(f"{label}: {c['acc']:.3f} (n={c['samples']})" for label, c in row[group].items())
+            parts.append(f" {acc_name} {name}: {cells}")
+    parts.append(rule)
+    return "\n".join(parts)
+
+
+# ---- the pass --------------------------------------------------------------------------------
+
+
+class Evaluator:
+    """The run's validation pass: when it is due, running it on every rank, and logging it.
+
+    Build it before a checkpoint is loaded: it copies the batcher as it is then (the latency
+    model uncalibrated), so a resumed run packs its validation batches as a fresh one does.
+
+    Args:
+        cfg: the run's ``SparseBalanceConfig``.
+        trainer: this stage's :class:`~megatron_sparsebalance.training.trainer.Trainer`.
+        batcher: the run's ``SparsityAwareBatcher`` (copied, never changed).
+    """
+
+    def __init__(self, cfg, trainer, batcher):
+        if parallel_state.get_tensor_model_parallel_world_size() != 1:
+            raise ValueError("evaluation reads the argmax of the whole vocabulary on one rank: it needs "
+                             "--tensor-model-parallel-size 1")
+        self.cfg, self.trainer = cfg, trainer
+        self.interval, self.iters = cfg.eval.eval_interval, cfg.eval.eval_iters
+        gbs = cfg.training.global_batch_size
+        self.dataset = build_validation_dataset(cfg.data, self.iters * gbs)
+        if len(self.dataset) < self.iters * gbs:
+            raise ValueError(f"--valid-data-path has {len(self.dataset)} samples, fewer than --eval-iters x "
+                             f"--global-batch-size = {self.iters * gbs}")
+        self.retrieval = cfg.data.mock_data and cfg.data.mock_content == "retrieval" and not cfg.data.valid_data_path
+        # A copy: training keeps calibrating the latency model and feeding SAB's estimator, and a
+        # validation plan must neither change between evaluations nor touch the training state.
+        # The estimator restarts at --moba-topk for every length, the budget evaluation runs at.
+        batcher = copy.deepcopy(batcher)
+        if batcher.estimator is not None:
+            batcher.estimator = SparsityEstimator(cfg.sparse.moba_topk)
+        self.sampler = GlobalBatchSampler(self.dataset.lengths, gbs, batcher, seed=cfg.data.seed, shuffle=False)
+        self.plans = [self.sampler.next_plan() for _ in range(self.iters)]
+        self.dst = DSTConfig(anchor="none", k_base=cfg.sparse.moba_topk)
+        self.log_path, self.writer, self.is_logger = None, None, False
+        self.history: list = []
+        self._reached: Optional[int] = None
+        self._evaluated: Optional[int] = None
+
+    def log_to(self, log_dir: Optional[str], writer=None, is_logger: bool = False) -> "Evaluator":
+        """Where rows go: ``<log_dir>/eval.jsonl`` (rank 0), TensorBoard and the printed line (the logger)."""
+        self.log_path = os.path.join(log_dir, "eval.jsonl") if log_dir else None
+        self.writer, self.is_logger = writer, is_logger
+        return self
+
+    # ---- when ----
+
+    def after_iteration(self, iteration: int, consumed_samples: int) -> Optional[dict]:
+        """Evaluate when ``iteration`` is a multiple of ``--eval-interval`` (call on every rank)."""
+        self._reached = iteration
+        if iteration % self.interval == 0:
+            return self.run(iteration, consumed_samples)
+        return None
+
+    def finish(self, start_iteration: int, consumed_samples: int) -> Optional[dict]:
+        """The evaluation at the end of training: when ``--train-iters`` was reached (also by a run
+        resumed there, or with ``--train-iters 0``) and its last iteration had none. A run stopped
+        early (``--exit-interval``, SIGTERM) is not at its end: the resumed run evaluates."""
+        reached = self._reached if self._reached is not None else start_iteration
+        if reached >= self.cfg.training.train_iters and self._evaluated != reached:
+            return self.run(reached, consumed_samples)
+        return None
+
+    # ---- what ----
+
+    def run(self, iteration: int, consumed_samples: int) -> dict:
+        """Evaluate, log, and return the row (the same on every rank)."""
+        t0 = time.perf_counter()
+        scores, coverage = self.evaluate()
+        row = {"iteration": iteration, "consumed_samples": consumed_samples, **summarize(scores, self.retrieval),
+               "budget": self.cfg.sparse.moba_topk if self.cfg.sparse.sparse_attention else None,
+               "mean_coverage": coverage, "eval_ms": (time.perf_counter() - t0) * 1e3}
+        self._evaluated = iteration
+        self.history.append(row)
+        self._log(row)
+        return row
+
+    def evaluate(self) -> tuple[list, Optional[float]]:
+        """Every validation sample's :class:`SampleScore` (gathered on every rank), and the mean
+        coverage ``C(k)`` the sparse layers kept (None when dense)."""
+        model, device = self.trainer.model, self.trainer.device
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        mine, coverage = [], []
+        model.eval()
+        try:
+            with torch.no_grad():
+                for plan in self.plans:
+                    lengths = [[plan.micro_batch_lengths(r, j) for j in range(plan.num_micro_batches)] for r in range(dp)]
+                    pipeline = pipeline_plans(lengths, self.trainer.shape.hidden_size, self.dst)[dp_rank]
+                    batches = self.sampler.micro_batches(self.dataset, plan, dp_rank)
+                    reports = forward_backward_sparsebalance(
+                        forward_step_func=eval_forward_step, data_iterator=iter([b.to(device) for b in batches]),
+                        model=[model], num_microbatches=len(batches), plan=pipeline, forward_only=True)
+                    for batch, report in zip(batches, reports):  # reports: the last stage only
+                        mine += self._scores(batch, report["per_sample"].cpu())
+                    coverage += pipeline.measured.coverage
+        finally:
+            model.train()
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        scores = [s for rank_scores in gathered for s in rank_scores]
+        sparse = self.cfg.sparse.sparse_attention and coverage
+        return scores, sum(coverage) / len(coverage) if sparse else None
+
+    def _scores(self, batch: PackedBatch, per_sample: torch.Tensor) -> list:
+        cu = batch.cu_seqlens.tolist()
+        out = []
+        for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+            distance = retrieval_distance(batch.tokens[0, lo:hi]) if self.retrieval else None
+            loss_sum, targets, correct = per_sample[:, i].tolist()
+            out.append(SampleScore(hi - lo, distance, loss_sum, round(targets), round(correct)))
+        return out
+
+    # ---- logging ----
+
+    def _log(self, row: dict) -> None:
+        if dist.get_rank() == 0 and self.log_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            it = row["iteration"]
+            for key in ("loss", "ppl", "acc", "token_acc", "mean_coverage"):
+                if row.get(key) is not None and math.isfinite(row[key]):
+                    self.writer.add_scalar(f"eval/{key}", row[key], it)
+            for group in ("acc_by_length", "acc_by_distance"):
+                for label, cell in row.get(group, {}).items():
+                    self.writer.add_scalar(f"eval/{group}/{label}", cell["acc"], it)
+            self.writer.flush()
+        if self.is_logger:
+            print(validation_lines(row, self.retrieval), flush=True)

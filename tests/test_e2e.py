@@ -1,0 +1,75 @@
+"""The end-to-end benchmark's plumbing on a CPU: uneven pipeline split, a 2-rank smoke run, the merge."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_sparsebalance.training.step import pipeline_layer_split
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_pipeline_layer_split_follows_megatron():
+    assert pipeline_layer_split(24, 4) == [6, 6, 6, 6]
+    assert pipeline_layer_split(24, 4, first=8, last=2) == [8, 7, 7, 2]
+    assert pipeline_layer_split(24, 2, last=9) == [15, 9]
+    assert pipeline_layer_split(24, 2, first=20, last=4) == [20, 4]
+    with pytest.raises(ValueError, match="--decoder-first/last-pipeline-num-layers leaves 15 layers for 2"):
+        pipeline_layer_split(24, 4, first=7, last=2)
+    with pytest.raises(ValueError, match="--decoder-last-pipeline-num-layers must be >= 1"):
+        pipeline_layer_split(24, 4, last=0)
+    with pytest.raises(ValueError, match="need --pipeline-model-parallel-size >= 2"):
+        pipeline_layer_split(24, 1, last=3)
+    with pytest.raises(ValueError, match="must be divisible by --pipeline-model-parallel-size"):
+        pipeline_layer_split(24, 5)
+
+
+def test_uneven_split_reaches_megatron_core():
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from megatron_sparsebalance.training.model import MODEL_PRESETS, transformer_config
+
+    cfg = transformer_config(MODEL_PRESETS["qwen2.5-0.5b"], pipeline_parallel_size=4, first_stage_layers=8,
+                             last_stage_layers=2)
+    assert get_num_layers_to_build(cfg, pp_rank=0) == 8
+    assert get_num_layers_to_build(cfg, pp_rank=1) == 7
+    assert get_num_layers_to_build(cfg, pp_rank=3) == 2
+
+
+def test_e2e_smoke_run_and_merge(tmp_path):
+    """Two gloo ranks, PP=2 with an uneven split: rows of the documented schema, then the merged file."""
+    out = str(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "benchmarks.e2e",
+           "--layout", "pp2dp1", "--model", "tiny", "--num-layers", "3", "--last-stage-layers", "1",
+           "--seq-length", "1024", "--moba-block-size", "64", "--moba-topk", "4", "--dists", "bimodal",
+           "--configs", "baseline", "sab+dst", "--iters", "2", "--global-batch-size", "8", "--out", out,
+           "--extra", "--untie-embeddings-and-output-weights", "--mock-vocab-size", "512"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(out, "e2e_cpu_pp2dp1.json")) as f:
+        result = json.load(f)
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"baseline", "sab+dst"}
+    for r in rows.values():
+        for key in ("dist", "layout", "config", "iter_ms", "imbalance", "bubble", "overhead_ms", "speedup", "mean_budget",
+                    "mean_coverage", "loss", "simulated_iter_ms", "predicted_ms", "pipeline_ms"):
+            assert key in r, key
+        assert r["imbalance"] >= 1.0 and 0.0 <= r["bubble"] < 1.0 and r["iter_ms"] >= r["pipeline_ms"] > 0
+        # The simulator replays the measured spans: it cannot exceed the measured schedule by much.
+        assert 0.5 * r["pipeline_ms"] < r["simulated_iter_ms"] < 1.1 * r["pipeline_ms"]
+    assert rows["baseline"]["speedup"] == 1.0 and rows["baseline"]["mean_budget"] == 4.0
+    assert rows["sab+dst"]["overhead_ms"] > 0
+    assert set(result["ideal"]["bimodal"]) >= {"baseline", "sab", "dst", "sab+dst"}
+    assert len(result["iterations"]["bimodal/baseline"]) == 2
+    merged = subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--merge", os.path.join(out, "e2e_cpu_pp2dp1.json"),
+                             "--out", out, "--tag", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    with open(os.path.join(out, "e2e_cpu.json")) as f:
+        assert len(json.load(f)["rows"]) == 2
+    assert os.path.exists(os.path.join(out, "e2e_speedup_cpu.png"))
+    assert os.path.exists(os.path.join(out, "e2e_timeline_cpu_pp2dp1_bimodal.png"))
