@@ -234,7 +234,8 @@ def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, laten
     latency.load_calibration({"log_scale": latency.calibration_state()["log_scale"] + math.log(float(np.median(ratios))),
                               "observations": 0})
     times = simulate_configs(batches, latency, pp, dp, m, args.moba_topk, warmup=args.warmup,
-                             configs=SIM_CONFIGS, stage_shares=stage_shares(baseline_iterations))
+                             configs=SIM_CONFIGS, stage_shares=stage_shares(baseline_iterations),
+                             micro_batch_tokens=cfg.batching.micro_batch_tokens)
     return {name: times["baseline"] / t for name, t in times.items()}
 
 

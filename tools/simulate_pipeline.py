@@ -57,19 +57,21 @@ def replay(paths) -> list:
 
 
 def simulate_configs(batches, latency, pp: int, dp: int, micro_batches: int, k_base: int, warmup: int = 0,
-                     configs=CONFIGS, stage_shares=None) -> dict:
+                     configs=CONFIGS, stage_shares=None, micro_batch_tokens=None) -> dict:
     """Mean simulated iteration ms of each configuration over the global batches after ``warmup``.
 
     ``batches``: the global batches' sample lengths (arrival order). Each configuration plans
     them as the run would (SAB or not, DST anchor with ``p`` unconstrained), prices each
     micro-batch with ``latency.predict`` (total over the stages: one stage's prediction times
     ``pp``) and simulates 1F1B. ``stage_shares`` splits a micro-batch's cost over the stages
-    (measured shares of an uneven pipeline; default: equal).
+    (measured shares of an uneven pipeline; default: equal). ``micro_batch_tokens`` is the
+    runs' ``--micro-batch-tokens`` cap.
     """
     shares = stage_shares or [1.0 / pp] * pp
     times = {}
     for name, (batching, anchor) in configs.items():
-        batcher = SparsityAwareBatcher(batching, dp, micro_batches, latency_model=latency, k_base=k_base)
+        batcher = SparsityAwareBatcher(batching, dp, micro_batches, latency_model=latency, k_base=k_base,
+                                       micro_batch_tokens=micro_batch_tokens)
         per_iter = []
         for lengths in batches:
             plan = batcher.plan(lengths)
@@ -94,7 +96,8 @@ def predict(args, latency) -> list:
         rng = np.random.default_rng(args.seed)
         batches = [sample_lengths(args.dist, dp * args.micro_batches * args.micro_batch_size, args.seq_length, rng).tolist()
                    for _ in range(args.warmup + args.iters)]
-        times = simulate_configs(batches, latency, args.pp, dp, args.micro_batches, args.moba_topk, args.warmup)
+        times = simulate_configs(batches, latency, args.pp, dp, args.micro_batches, args.moba_topk, args.warmup,
+                                 micro_batch_tokens=args.micro_batch_tokens or args.micro_batch_size * args.seq_length)
         for name, t in times.items():
             rows.append(dict(gpus=gpus, dp=dp, pp=args.pp, tp=args.tp, dist=args.dist, config=name, iter_ms=t,
                              speedup=times["baseline"] / t))
@@ -114,6 +117,7 @@ def main(argv=None):
     p.add_argument("--seq-length", type=int, default=65536)
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per DP replica and iteration")
     p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="token cap per micro-batch (default: --micro-batch-size x --seq-length: without a cap SAB may pile many short samples into one pack, far outside the profiled range)")
     p.add_argument("--moba-block-size", type=int, default=128)
     p.add_argument("--moba-topk", type=int, default=32)
     p.add_argument("--latency-table", default=None)
