@@ -371,10 +371,10 @@ def merge(paths, out_dir: str, tag: str) -> dict:
         merged["gpu"] = part.get("gpu", merged["gpu"])
         merged["torch"] = part.get("torch", merged["torch"])
         merged["rows"] += part["rows"]
-        merged["ideal"].update({f"{part['layout']}/{k}": v for k, v in part["ideal"].items()})
         for dist_name in part["setup"]["dists"]:
-            if dist_name not in part["ideal"] and f"{dist_name}/baseline" in part["iterations"]:
-                # A run that stopped before its summary: the ideal from the file's own records.
+            if f"{dist_name}/baseline" in part["iterations"]:
+                # Recomputed from the file's own records (also for a run that stopped before its
+                # summary), so every ideal of the merged file comes from the same code.
                 merged["ideal"][f"{part['layout']}/{dist_name}"] = ideal_from_file(part, dist_name)
         merged["sources"].append(os.path.basename(path))
         traces.update({f"{part['layout']}/{k}": v for k, v in part["traces"].items()})
