@@ -2,8 +2,8 @@
 
 Run under torchrun, one process per GPU (or over gloo on a CPU for a smoke run)::
 
-    torchrun --standalone --nproc_per_node 4 -m benchmarks.e2e --layout pp4dp1 \\
-        --latency-table benchmarks/results/latency_table_h200.json --out "$OUT"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --standalone --nproc_per_node 4 \\
+        -m benchmarks.e2e --layout pp4dp1 --latency-table benchmarks/results/latency_table_h200.json --out "$OUT"
 
 For each length distribution and each configuration the same run is made with
 ``megatron_sparsebalance.pretrain.pretrain`` in this process: the same model (Qwen2.5-0.5B
@@ -26,8 +26,9 @@ layer over a 152K vocabulary (as much work as about six of these layers), so the
 fewer layers (``--decoder-last-pipeline-num-layers``), as a Megatron user would.
 
 Memory: a micro-batch is capped at ``--micro-batch-tokens`` (default = ``--seq-length`` = 64K); the
-largest tensor is the last stage's fp32 logits (64K x 152K x 4 bytes = 40 GB); no recomputation
-is needed at these sizes on an H200. ``--batching none`` keeps arrival order and moves a cut only
+largest tensor is the last stage's fp32 logits (64K x 152K x 4 bytes = 40 GB); the sparse runs
+fit an H200 without recomputation (up to 115 GiB on stage 0 of PP=4, with the allocator's
+expandable segments against fragmentation); the dense row does not fit at PP=4. ``--batching none`` keeps arrival order and moves a cut only
 where the cap requires it (``balance/sab.py: arrival_order_chunks``).
 
 Writes ``e2e_<tag>_<layout>.json`` (rows, per-iteration records, the Chrome traces of the last
