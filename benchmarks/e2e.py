@@ -345,19 +345,19 @@ def print_table(result: dict) -> None:
 
 def ideal_from_file(part: dict, dist_name: str) -> dict:
     """:func:`ideal_speedups` recomputed from a results file (its setup, baseline records and table)."""
-    from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, LatencyModel
     from megatron_sparsebalance.config import build_parser, config_from_args
+    from megatron_sparsebalance.pretrain import build_latency_model
 
     args = argparse.Namespace(**part["setup"])
     cfg = config_from_args(build_parser().parse_args(pretrain_flags(args, dist_name, "baseline")))
+    # The run's own latency model, rebuilt here on any machine: its table was recorded on the
+    # run's GPU (so the metadata check is waived) and the analytic model takes that GPU's rates.
+    cfg.latency.latency_table_force = True
+    if part.get("gpu", "cpu") != "cpu":
+        cfg.latency.latency_hardware = "h200"
+    latency = build_latency_model(cfg, torch.device("cpu"))
     pp = LAYOUTS[args.layout][0]
-    dp = part["world_size"] // pp if "world_size" in part else len(part["iterations"][f"{dist_name}/baseline"][0]["stage_ms"])
-    if args.latency_table:
-        latency = LatencyModel.load(args.latency_table)  # recorded on the run's GPU: no metadata check here
-    else:
-        shape = cfg.model_shape()
-        latency = AnalyticLatencyModel(shape, shape.num_layers // pp, block_size=args.moba_block_size, hardware="h200")
-    latency.candidates = tuple(sorted(set(cfg.dst.dst_budgets or latency.candidates) | {args.moba_topk}))
+    dp = len(part["iterations"][f"{dist_name}/baseline"][0]["stage_ms"])  # one entry per DP replica
     return ideal_speedups(args, cfg, part["iterations"][f"{dist_name}/baseline"], pp, dp, latency)
 
 
