@@ -35,6 +35,14 @@ BLOCK = 128
 ALL_IMPLS = ("cuda", "triton", "flex", "cudnn_dense", "fa2_dense")
 
 
+NOTES = (
+    "fwd+bwd medians of CUDA events (10 runs after 3 warm-ups), one sequence of S tokens, bf16, block 128. "
+    "flex: torch.compile'd flex_attention given the same selection (off-diagonal selected blocks as full blocks, "
+    "the diagonal as a causal partial block). tflops: 4*kept_blocks*B^2*d*3.5 with kept blocks counted per query "
+    "head (dense rows: the whole causal block triangle). peak_mem_gib: memory allocated by one fwd+bwd beyond its "
+    "inputs. router: torch MoBA router (block_scores+select_blocks) and the same with Triton pooling."
+)
+
 def cuda_time(fn, iters: int = 10, warmup: int = 3) -> float:
     """Median ms of ``fn`` over ``iters`` runs, each bracketed by CUDA events."""
     for _ in range(warmup):
@@ -212,15 +220,21 @@ def main(argv=None):
     import triton
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), block_size=BLOCK, dtype="bfloat16")
+                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), block_size=BLOCK, dtype="bfloat16",
+                notes=NOTES)
     tuned = tune_triton(shapes) if args.tune and "triton" in impls else None
-    if tuned:
-        meta["triton_configs"] = tuned
+    if "triton" in impls:
+        from megatron_sparsebalance.ops.triton_attention import CONFIGS
+
+        meta["triton_configs"] = tuned or {f"{kind}/{d}": list(cfg) for (kind, d), cfg in CONFIGS.items()}
     flex_fn = None
     if "flex" in impls:
         from torch.nn.attention.flex_attention import flex_attention
 
         flex_fn = torch.compile(flex_attention, dynamic=False)
+        # One compilation per case (shape, length, mask). Past dynamo's recompile limit (8) Flex
+        # would silently run eagerly, materialising the S x S scores (128 GiB at 3B, 32K).
+        torch._dynamo.config.recompile_limit = 256
     rows, router_rows = [], []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in shapes:

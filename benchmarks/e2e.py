@@ -3,7 +3,7 @@
 Run under torchrun, one process per GPU (or over gloo on a CPU for a smoke run)::
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --standalone --nproc_per_node 4 \\
-        -m benchmarks.e2e --layout pp4dp1 --latency-table benchmarks/results/latency_table_h200.json --out "$OUT"
+        -m benchmarks.e2e --layout pp4dp1 --latency-table benchmarks/results/e2e/latency_table_h200.json --out "$OUT"
 
 For each length distribution and each configuration the same run is made with
 ``megatron_sparsebalance.pretrain.pretrain`` in this process: the same model (Qwen2.5-0.5B

@@ -110,6 +110,12 @@ class TrainingConfig:
     """bfloat16 parameters and activations (fp32 main weights in the optimizer)."""
     max_nonfinite_iters: int = 5
     """Stop when this many iterations in a row have a non-finite loss or gradient (each is skipped)."""
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collector off during training (as Megatron-LM's flag): a
+    collection lands in a random micro-batch of a random rank and makes it a straggler that no
+    latency model predicts."""
+    manual_gc_interval: int = 0
+    """With --manual-gc, collect every this many iterations, between iterations (0: never)."""
 
 
 @dataclass
@@ -314,6 +320,10 @@ class SparseBalanceConfig:
             raise ValueError(f"--load {ck.load}: no such directory")
         if ck.pretrained_checkpoint is not None and not os.path.isdir(ck.pretrained_checkpoint):
             raise ValueError(f"--pretrained-checkpoint {ck.pretrained_checkpoint}: no such directory")
+        if self.training.manual_gc_interval < 0:
+            raise ValueError(f"--manual-gc-interval must be >= 0, got {self.training.manual_gc_interval}")
+        if self.training.manual_gc_interval and not self.training.manual_gc:
+            raise ValueError("--manual-gc-interval needs --manual-gc")
         if lg.log_interval < 1:
             raise ValueError(f"--log-interval must be >= 1, got {lg.log_interval}")
         if not self.data.mock_data and self.data.data_path and not (

@@ -43,6 +43,7 @@ from megatron_sparsebalance.training.checkpointing import latest_checkpoint, loa
 from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
 from megatron_sparsebalance.training.dist import init_distributed
 from megatron_sparsebalance.training.evaluate import Evaluator
+from megatron_sparsebalance.training.manual_gc import ManualGC
 from megatron_sparsebalance.training.trainer import Trainer
 
 try:
@@ -289,52 +290,54 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
         last_saved = iteration
 
     timeline_iters = set(cfg.logging.timeline_iters or ())
-    for iteration in range(start + 1, cfg.training.train_iters + 1):
-        t0 = time.perf_counter()
-        plan = sampler.next_plan()
-        sab_ms = (time.perf_counter() - t0) * 1e3
-        lengths = [[plan.micro_batch_lengths(r, j) for j in range(plan.num_micro_batches)] for r in range(dp)]
-        step = trainer.train_step(lengths, sampler.micro_batches(dataset, plan, dp_rank))
-        elapsed_ms = (time.perf_counter() - t0) * 1e3
-        m = step.metrics
-        if m is not None and cfg.sparse.sparse_attention:  # dense layers report no budgets for SAB's estimator
-            per_rank = [m.budgets[r * plan.num_micro_batches:(r + 1) * plan.num_micro_batches] for r in range(dp)]
-            sampler.update(plan, per_rank)
-        if step.skipped:
-            skipped += 1
-            in_a_row += 1
-            nan_iters += 0 if math.isfinite(step.loss) else 1
+    with ManualGC(cfg.training.manual_gc, cfg.training.manual_gc_interval) as manual_gc:
+        for iteration in range(start + 1, cfg.training.train_iters + 1):
+            manual_gc.between_iterations(iteration)
+            t0 = time.perf_counter()
+            plan = sampler.next_plan()
+            sab_ms = (time.perf_counter() - t0) * 1e3
+            lengths = [[plan.micro_batch_lengths(r, j) for j in range(plan.num_micro_batches)] for r in range(dp)]
+            step = trainer.train_step(lengths, sampler.micro_batches(dataset, plan, dp_rank))
+            elapsed_ms = (time.perf_counter() - t0) * 1e3
+            m = step.metrics
+            if m is not None and cfg.sparse.sparse_attention:  # dense layers report no budgets for SAB's estimator
+                per_rank = [m.budgets[r * plan.num_micro_batches:(r + 1) * plan.num_micro_batches] for r in range(dp)]
+                sampler.update(plan, per_rank)
+            if step.skipped:
+                skipped += 1
+                in_a_row += 1
+                nan_iters += 0 if math.isfinite(step.loss) else 1
+            else:
+                in_a_row = 0
+            flops = iteration_flops(cfg, [mb for rank_mbs in lengths for mb in rank_mbs], m.budgets if m else
+                                    [cfg.sparse.moba_topk] * sum(len(r) for r in lengths))
+            sent = torch.tensor([step.extra["comm"]["bytes_sent"]], dtype=torch.int64, device=device)
+            dist.all_reduce(sent, group=pp_group)
+            bytes_sent_total += int(sent)
+            comm = dict(bytes_sent=int(sent), bytes_sent_total=bytes_sent_total, dense_fp32_bytes=int(dense[0]),
+                        dense_bf16_bytes=int(dense[1]))
+            metrics.record(iteration, sampler.consumed_samples, step, elapsed_ms, trainer.optimizer.param_groups[0]["lr"],
+                           flops, skipped, nan_iters, comm=comm, sab_ms=sab_ms)
+            if on_iteration is not None:
+                on_iteration(metrics.history[-1], step)
+            if iteration in timeline_iters and m is not None and rank == 0 and log_dir:
+                m.write_trace(os.path.join(log_dir, f"timeline_iter{iteration:07d}.json"))
+            if evaluator is not None:
+                evaluator.after_iteration(iteration, sampler.consumed_samples)
+            if in_a_row >= cfg.training.max_nonfinite_iters:
+                raise RuntimeError(f"{in_a_row} iterations in a row had a non-finite loss or gradient "
+                                   f"(--max-nonfinite-iters {cfg.training.max_nonfinite_iters}); stopping")
+            stop = sigterm.any_rank(device)
+            exit_now = stop or (ck.exit_interval is not None and iteration % ck.exit_interval == 0)
+            if ck.save and (exit_now or (ck.save_interval and iteration % ck.save_interval == 0)):
+                save(iteration)
+            if exit_now:
+                if rank == 0:
+                    print(f"exiting at iteration {iteration} ({'SIGTERM' if stop else '--exit-interval'})", flush=True)
+                break
         else:
-            in_a_row = 0
-        flops = iteration_flops(cfg, [mb for rank_mbs in lengths for mb in rank_mbs], m.budgets if m else
-                                [cfg.sparse.moba_topk] * sum(len(r) for r in lengths))
-        sent = torch.tensor([step.extra["comm"]["bytes_sent"]], dtype=torch.int64, device=device)
-        dist.all_reduce(sent, group=pp_group)
-        bytes_sent_total += int(sent)
-        comm = dict(bytes_sent=int(sent), bytes_sent_total=bytes_sent_total, dense_fp32_bytes=int(dense[0]),
-                    dense_bf16_bytes=int(dense[1]))
-        metrics.record(iteration, sampler.consumed_samples, step, elapsed_ms, trainer.optimizer.param_groups[0]["lr"],
-                       flops, skipped, nan_iters, comm=comm, sab_ms=sab_ms)
-        if on_iteration is not None:
-            on_iteration(metrics.history[-1], step)
-        if iteration in timeline_iters and m is not None and rank == 0 and log_dir:
-            m.write_trace(os.path.join(log_dir, f"timeline_iter{iteration:07d}.json"))
-        if evaluator is not None:
-            evaluator.after_iteration(iteration, sampler.consumed_samples)
-        if in_a_row >= cfg.training.max_nonfinite_iters:
-            raise RuntimeError(f"{in_a_row} iterations in a row had a non-finite loss or gradient "
-                               f"(--max-nonfinite-iters {cfg.training.max_nonfinite_iters}); stopping")
-        stop = sigterm.any_rank(device)
-        exit_now = stop or (ck.exit_interval is not None and iteration % ck.exit_interval == 0)
-        if ck.save and (exit_now or (ck.save_interval and iteration % ck.save_interval == 0)):
-            save(iteration)
-        if exit_now:
-            if rank == 0:
-                print(f"exiting at iteration {iteration} ({'SIGTERM' if stop else '--exit-interval'})", flush=True)
-            break
-    else:
-        if ck.save and last_saved != cfg.training.train_iters and cfg.training.train_iters > start:
-            save(cfg.training.train_iters)
+            if ck.save and last_saved != cfg.training.train_iters and cfg.training.train_iters > start:
+                save(cfg.training.train_iters)
     if evaluator is not None:
         evaluator.finish(start, sampler.consumed_samples)
     metrics.close()

@@ -33,10 +33,12 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_sparsebalance.attention import SparseAttentionConfig, budget_scope
+from megatron_sparsebalance.data.synthetic import thd_params
 from megatron_sparsebalance.balance.latency import ProfiledLatencyModel, device_name, latency_metadata
 from megatron_sparsebalance.ops.implementations import IMPLEMENTATIONS, resolve_impl
 from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
 from megatron_sparsebalance.training.dist import init_distributed
+from megatron_sparsebalance.training.manual_gc import ManualGC
 from megatron_sparsebalance.training.model import MODEL_PRESETS, build_gpt_model, transformer_config
 
 GRID_HELP = """\
@@ -112,36 +114,38 @@ class StageProfiler:
             torch.cuda.synchronize(self.device)
 
     def _timed(self, step, warmup: int, iters: int) -> float:
-        """Median ms of ``step()`` after ``warmup`` untimed calls."""
+        """Median ms of ``step()`` after ``warmup`` untimed calls.
+
+        The garbage collector is off while timing (``--manual-gc``'s setting in training): an
+        automatic collection lands in a random call and adds tens of ms of host time to it.
+        """
         for _ in range(warmup):
             step()
         self._sync()
         times = []
-        for _ in range(iters):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                step()
-                times.append((time.perf_counter() - t0) * 1e3)
+        with ManualGC(True, 0):
+            for _ in range(iters):
+                if self.device.type == "cuda":
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    step()
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+                else:
+                    t0 = time.perf_counter()
+                    step()
+                    times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
     def _packed_params(self, lengths: Sequence[int]):
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-        cu = cu.to(self.device)
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                               max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+        return thd_params(cu.to(self.device), cu)  # as training packs them (data/synthetic.py)
 
-    def stage_step(self, lengths: Sequence[int], k: int):
-        """A closure running one forward+backward of the stage on the pack ``lengths`` at budget ``k``."""
+    def stage_step(self, lengths: Sequence[int], k: int, k_base: Optional[int] = None, p: Optional[float] = None):
+        """A closure running one forward+backward of the stage on the pack ``lengths`` at budget ``k``
+        (DST's coverage bound against ``k_base`` when ``p`` is given)."""
         T = int(sum(lengths))
         psp = self._packed_params(lengths)
         h = self.shape.hidden_size
@@ -153,7 +157,7 @@ class StageProfiler:
         def step():
             if hidden is not None:
                 self.model.set_input_tensor(hidden)
-            with budget_scope(k=k):
+            with budget_scope(k=k, k_base=k_base, p=p):
                 out = self.model(tokens if self.pre_process else None, pos if self.pre_process else None, None,
                                  labels=tokens if self.post_process else None, packed_seq_params=psp)
             if self.post_process:

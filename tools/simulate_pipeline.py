@@ -15,7 +15,7 @@ Two modes:
 
     python tools/simulate_pipeline.py --replay benchmarks/results/pipeline_dst_h200x2_longtail.json
     python tools/simulate_pipeline.py --model qwen2.5-3b --pp 4 --tp 2 --gpus 32 64 128 256 512 1024 \\
-        --dist bimodal --latency-table benchmarks/results/latency_table_h200.json --out sim.json
+        --dist bimodal --latency-table benchmarks/results/e2e/latency_table_h200.json --out sim.json
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+import torch
+
 from megatron_sparsebalance.ops.sparse_attention import RouteStats
 
 
@@ -43,6 +45,31 @@ class BudgetReport:
 
     def mean_coverage(self) -> float:
         return sum(r.stats.coverage_used for r in self.layers) / max(1, len(self.layers))
+
+
+def read_reports(reports: dict) -> tuple[dict, dict]:
+    """Mean budget and mean coverage of each report (``{micro_batch: BudgetReport}``), read at once.
+
+    The layers leave what they chose on the device (:class:`RouteStats`); reading it report by
+    report would stop the host after every micro-batch's forward, which in a pipeline leaves the
+    GPU idle while the next one is launched. This gathers every value of the iteration into one
+    tensor and reads it with a single wait.
+    """
+    pending = []  # the device values of all reports, read in one go
+
+    def later(value) -> object:
+        if isinstance(value, torch.Tensor):
+            pending.append(value.reshape(()).to(torch.float64))
+            return len(pending) - 1, None
+        return None, float(value)
+
+    layers = {i: [tuple(later(v) for v in r.stats.unread()) for r in report.layers]
+              for i, report in reports.items() if report.layers}
+    read = torch.stack(pending).tolist() if pending else []
+    value = lambda slot: read[slot[0]] if slot[0] is not None else slot[1]  # noqa: E731
+    budgets = {i: sum(value(k) for k, _ in pairs) / len(pairs) for i, pairs in layers.items()}
+    coverage = {i: sum(value(c) for _, c in pairs) / len(pairs) for i, pairs in layers.items()}
+    return budgets, coverage
 
 
 _state = threading.local()

@@ -31,6 +31,20 @@ from megatron_sparsebalance.ops.sparse_attention import RouteStats, check_qkv, r
 _LAYOUTS = LayoutCache()
 
 
+def _host_offsets(packed_seq_params: PackedSeqParams) -> Optional[torch.Tensor]:
+    """A host copy of ``cu_seqlens_q``, when the micro-batch carries one.
+
+    Packs built here (``PackedBatch.packed_seq_params``) have no padding and put the host copy of
+    their offsets in ``cu_seqlens_q_padded``, where megatron's RoPE reads it. A padded-offsets
+    tensor on the device (padding between sequences, as Transformer Engine uses) is not that
+    copy; the layout then reads ``cu_seqlens_q`` back once per micro-batch instead.
+    """
+    host, offsets = packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q
+    if offsets.device.type == "cpu" or host is None or host.device.type != "cpu" or host.shape != offsets.shape:
+        return None
+    return host
+
+
 class SparseCoreAttention(MegatronModule):
     """Block-sparse (or dense) causal core attention for megatron-core.
 
@@ -106,17 +120,19 @@ class SparseCoreAttention(MegatronModule):
             if cu_kv is not None and cu_kv is not cu_seqlens and not torch.equal(cu_seqlens, cu_kv):
                 raise ValueError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
             q, k, v = (x.reshape(x.shape[0], x.shape[-2], x.shape[-1]) for x in (query, key, value))
+            host_cu_seqlens = _host_offsets(packed_seq_params)
         else:
             s, b = query.shape[:2]
             q, k, v = (x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3]) for x in (query, key, value))
             cu_seqlens = uniform_cu_seqlens(b, s, device=q.device)
+            host_cu_seqlens = None
         check_qkv(q, k, v)
-        out = self._attend(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens)  # [T, nq, d]
+        out = self._attend(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, host_cu_seqlens)  # [T, nq, d]
         if thd:
             return out.reshape(out.shape[0], -1)
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
-    def _attend(self, q, k, v, cu_seqlens) -> torch.Tensor:
+    def _attend(self, q, k, v, cu_seqlens, host_cu_seqlens=None) -> torch.Tensor:
         cfg = self.sparse_config
         if not cfg.sparse_attention:
             return dense_causal_attention(q, k, v, cu_seqlens, self.softmax_scale)
@@ -126,7 +142,7 @@ class SparseCoreAttention(MegatronModule):
         budget = request.k if request is not None else cfg.moba_topk
         k_base = (request.k_base or cfg.moba_topk) if request is not None else None
         p = request.p if request is not None else None
-        layout = _LAYOUTS.get(cu_seqlens, cfg.moba_block_size, q.shape[0])
+        layout = _LAYOUTS.get(cu_seqlens, cfg.moba_block_size, q.shape[0], host_cu_seqlens)
         blocks, stats = route(q, k, layout, budget, k_base=k_base, p=p, track_coverage=cfg.track_coverage)
         self.last_stats = stats
         if scope is not None:

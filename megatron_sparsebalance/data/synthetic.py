@@ -8,34 +8,71 @@ sparse attention trains.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 
+def thd_params(cu_seqlens: torch.Tensor, host_cu_seqlens: torch.Tensor) -> PackedSeqParams:
+    """megatron-core's THD parameters of a pack, with its sequence offsets on the device and the host.
+
+    Megatron's unfused RoPE for THD reads the sequence lengths with ``.tolist()`` in every
+    attention layer, from ``cu_seqlens_q_padded`` when it is set. With no padding the padded
+    offsets equal the real ones, so handing their host copy there makes RoPE stop the host zero
+    times instead of four per layer (q and k, lengths and a size check). The core attention keeps
+    the device tensor (``cu_seqlens_q``) and takes the host copy for its block layout. Megatron's
+    fused RoPE (Transformer Engine, ``apply_rope_fusion``) wants device offsets; the models built
+    here leave it off.
+    """
+    lengths = (host_cu_seqlens[1:] - host_cu_seqlens[:-1]).tolist()
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=host_cu_seqlens, cu_seqlens_kv_padded=host_cu_seqlens,
+        max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
+    )
+
+
 @dataclass
 class PackedBatch:
-    """One THD micro-batch: tokens ``[1, T]``, labels ``[1, T]``, loss mask ``[1, T]``."""
+    """One THD micro-batch: tokens ``[1, T]``, labels ``[1, T]``, loss mask ``[1, T]``.
+
+    ``host_cu_seqlens`` is a copy of ``cu_seqlens`` kept on the host when the batch moves to a
+    GPU: the sequence lengths are then known without asking the device (see
+    :meth:`packed_seq_params`).
+    """
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
+    host_cu_seqlens: Optional[torch.Tensor] = None
+
+    def _host_offsets(self) -> torch.Tensor:
+        if self.cu_seqlens.device.type == "cpu":
+            return self.cu_seqlens
+        if self.host_cu_seqlens is None:
+            self.host_cu_seqlens = self.cu_seqlens.cpu()  # one wait, then cached
+        return self.host_cu_seqlens
 
     @property
     def lengths(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        cu = self._host_offsets()
+        return (cu[1:] - cu[:-1]).tolist()
 
     def packed_seq_params(self) -> PackedSeqParams:
-        longest = max(self.lengths)
-        return PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-            max_seqlen_q=longest, max_seqlen_kv=longest,
-        )
+        return thd_params(self.cu_seqlens, self._host_offsets())
 
     def to(self, device) -> "PackedBatch":
-        return PackedBatch(*(t.to(device) for t in (self.tokens, self.labels, self.loss_mask, self.position_ids, self.cu_seqlens)))
+        tensors = (self.tokens, self.labels, self.loss_mask, self.position_ids, self.cu_seqlens)
+        # Through pinned memory and non_blocking: a copy from pageable memory makes the host wait
+        # for the device's whole queue, once per tensor of every micro-batch. The caching host
+        # allocator keeps each pinned buffer alive until its copy has run.
+        to_gpu = torch.device(device).type == "cuda"
+        moved = [t.pin_memory().to(device, non_blocking=True) if to_gpu and t.device.type == "cpu" else t.to(device)
+                 for t in tensors]
+        return PackedBatch(*moved, host_cu_seqlens=self._host_offsets())
 
 
 def pack_sequences(sequences: list[torch.Tensor], loss_masks: list[torch.Tensor]) -> PackedBatch:

@@ -28,7 +28,8 @@ class BlockRoute:
         kv_idx: ``[G, NB, K]`` int32, selected KV blocks (global block ids, ascending, the
             diagonal block always included), padded with -1.
         kv_cnt: ``[G, NB]`` int32, number of valid entries of ``kv_idx``.
-        budgets: ``[N]`` int64, the budget of every sequence.
+        budgets: the budgets it was selected with: ``[N]`` int64 on the host, or on the device
+            when DST's coverage bound chose them there.
     """
 
     layout: BlockLayout
@@ -67,16 +68,13 @@ def pool_blocks(x: torch.Tensor, layout: BlockLayout, num_groups: int) -> torch.
     T, H, D = x.shape
     sums = torch.zeros(layout.num_blocks, H, D, dtype=torch.float32, device=x.device)
     sums.index_add_(0, layout.token_block, x.float())
-    counts = (layout.block_end - layout.block_start).to(torch.float32)
-    pooled = sums / counts[:, None, None]
+    pooled = sums / layout.block_lengths[:, None, None]
     return pooled.view(layout.num_blocks, num_groups, H // num_groups, D).mean(2)
 
 
 def candidate_mask(layout: BlockLayout) -> torch.Tensor:
     """``[NB, NB]`` bool: block ``j`` is a routing candidate of query block ``i`` (earlier, same sequence)."""
-    same_seq = layout.block_seq[:, None] == layout.block_seq[None, :]
-    earlier = layout.block_pos[None, :] < layout.block_pos[:, None]
-    return same_seq & earlier
+    return layout.candidates
 
 
 def block_scores(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
@@ -92,7 +90,7 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout) -> torch
         pq = pool_blocks(q, layout, G)
         pk = pool_blocks(k, layout, G)
         scores = torch.einsum("igd,jgd->gij", pq, pk) / math.sqrt(q.shape[-1])
-        return scores.masked_fill_(~candidate_mask(layout), float("-inf"))
+        return torch.where(layout.candidates, scores, float("-inf"))
 
 
 def validate_budgets(budgets: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
@@ -107,22 +105,50 @@ def validate_budgets(budgets: torch.Tensor, layout: BlockLayout) -> torch.Tensor
     return budgets
 
 
-def select_blocks(scores: torch.Tensor, layout: BlockLayout, budgets) -> BlockRoute:
+def block_budgets(budgets, layout: BlockLayout, device) -> tuple[torch.Tensor, Optional[int]]:
+    """``[NB]`` int64 budget of every block on ``device``, and the largest budget when it is known on the host.
+
+    Nothing here waits for the device. Host budgets (an int, a list or a CPU tensor, one per
+    sequence) are validated on the host; a uniform budget is filled in on the device and a mixed
+    one is copied from pinned memory without blocking (a copy from pageable memory would make the
+    host wait for the device's whole queue, once per layer). A 0-dim or ``[N]`` budget already on
+    the device (the coverage bound's choice) is taken as it is, and its maximum is not known.
+    """
+    if isinstance(budgets, torch.Tensor) and budgets.device.type != "cpu":
+        per_seq = budgets.reshape(-1).to(device=device, dtype=torch.int64)
+        if per_seq.numel() == 1:
+            return per_seq.expand(layout.num_blocks), None
+        if per_seq.numel() != layout.num_seqs:
+            raise ValueError(f"budgets has {per_seq.numel()} entries for {layout.num_seqs} sequences")
+        return per_seq[layout.block_seq], None
+    host = validate_budgets(budgets, layout)
+    kmax = int(host.max()) if host.numel() else 1
+    if host.numel() == 0 or bool((host == host[0]).all()):
+        return torch.full((layout.num_blocks,), kmax, dtype=torch.int64, device=device), kmax
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)[layout.block_seq], kmax
+    return host.to(device)[layout.block_seq], kmax
+
+
+def select_blocks(scores: torch.Tensor, layout: BlockLayout, budgets, kmax: Optional[int] = None) -> BlockRoute:
     """Top-(k-1) candidates by score plus the diagonal block, per (group, query block).
 
     Ties in score go to the lower block index, so every implementation selects the same set.
 
     Args:
         scores: ``[G, NB, NB]`` from :func:`block_scores`.
-        budgets: ``[N]`` (or a scalar) budget per sequence, each >= 1.
+        budgets: ``[N]`` (or a scalar) budget per sequence, each >= 1: on the host, or on the
+            device (then ``kmax`` is required).
+        kmax: an upper bound of the budgets, the width of ``kv_idx`` (default: their maximum).
     """
-    budgets = validate_budgets(budgets, layout)
     G, NB, _ = scores.shape
     device = scores.device
-    kmax = int(budgets.max()) if budgets.numel() else 1  # host tensor: no sync
-    kmax = max(1, min(kmax, layout.max_blocks_per_seq))
-    budgets = budgets.to(device)
-    blk_budget = budgets[layout.block_seq]  # [NB]
+    blk_budget, host_kmax = block_budgets(budgets, layout, device)
+    if kmax is None:
+        if host_kmax is None:
+            raise ValueError("select_blocks: budgets on the device need kmax, an upper bound of them")
+        kmax = host_kmax
+    kmax = max(1, min(int(kmax), layout.max_blocks_per_seq))
     diag = torch.arange(NB, device=device).view(1, NB, 1).expand(G, NB, 1)
     if kmax > 1:
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : kmax - 1]
@@ -190,19 +216,21 @@ def coverage_curve(scores: torch.Tensor, kmax: int) -> torch.Tensor:
     return torch.where(n_valid > 0, mean, torch.ones_like(mean))
 
 
-def coverage_bounded_budget(curve: torch.Tensor, k_request: int, k_base: int, p: Optional[float]) -> int:
+def coverage_bounded_budget(curve: torch.Tensor, k_request: int, k_base: int, p: Optional[float]) -> torch.Tensor:
     """The budget a layer uses when DST asks for ``k_request`` (DESIGN.md §4, step 4).
 
     Growth (``k_request >= k_base``) is taken as asked. A shrink is taken unless it loses more
     than ``p`` of coverage against ``k_base``; then the smallest ``k`` within ``p`` is used.
     ``curve`` is :func:`coverage_curve` with at least ``k_base`` entries.
+
+    Returns:
+        0-dim int64 on the device of ``curve``. The choice is made there: reading the curve on
+        the host would stop it in every layer of every shrunk micro-batch.
     """
     if p is None or k_request >= k_base:
-        return k_request
+        return torch.full((), k_request, dtype=torch.int64, device=curve.device)
     if curve.numel() < k_base:
         raise ValueError(f"coverage curve has {curve.numel()} entries, needs k_base={k_base}")
-    loss = (curve[k_base - 1] - curve[:k_base]).cpu()  # coverage lost at k = 1..k_base
-    if float(loss[k_request - 1]) <= p:
-        return k_request
-    within = torch.nonzero(loss[k_request - 1 :] <= p + 1e-7).flatten()
-    return k_request + int(within[0])
+    loss = curve[k_base - 1] - curve[k_request - 1 : k_base]  # coverage lost at k = k_request..k_base
+    # loss is non-increasing in k and 0 at k_base, so the first k within p exists; argmax finds it.
+    return k_request + torch.argmax((loss <= p + 1e-7).to(torch.int32))

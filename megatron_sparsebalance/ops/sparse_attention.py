@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -31,14 +31,24 @@ from megatron_sparsebalance.ops.router import (
 class RouteStats:
     """What a layer did with the budget it was handed (reported to the schedule and SAB).
 
-    The coverages stay on the device until read: a layer that only reports them must not stop
-    the host for them (one read after the micro-batch's forward waits once, not once per layer).
+    The budget used (when the coverage bound chose it) and the coverages stay on the device until
+    read: a layer that only reports them must not stop the host for them. The schedule reads all
+    the layers of an iteration at once (:func:`~megatron_sparsebalance.attention.budget.read_reports`).
     """
 
     k_requested: int
-    k_used: int
+    _k_used: Union[int, torch.Tensor]  # an int, or 0-dim on the device when the coverage bound chose it
     _coverage: Optional[torch.Tensor] = None  # [C(k_used), C(k_base)] (the second only with a k_base)
     _has_base: bool = False
+
+    @property
+    def k_used(self) -> int:
+        """The budget the layer attended with."""
+        return int(self._k_used)
+
+    def unread(self) -> tuple:
+        """``(k_used, C(k_used))`` as they are: each a number or a 0-dim device tensor (NaN coverage when untracked)."""
+        return self._k_used, self._coverage[0] if self._coverage is not None else float("nan")
 
     @property
     def coverage_used(self) -> float:
@@ -64,14 +74,21 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
-def select(scores: torch.Tensor, layout: BlockLayout, budgets) -> BlockRoute:
+def select(scores: torch.Tensor, layout: BlockLayout, budgets, kmax: Optional[int] = None) -> BlockRoute:
     """Selection through the native CPU kernel where it applies, else the torch router."""
     if scores.device.type == "cpu" and native.HAVE_NATIVE:
         budgets = validate_budgets(budgets, layout)
-        kmax = max(1, min(int(budgets.max()), layout.max_blocks_per_seq))
+        kmax = max(1, min(int(budgets.max()) if kmax is None else kmax, layout.max_blocks_per_seq))
         kv_idx, kv_cnt = native.native().select_blocks_cpu(scores, budgets[layout.block_seq], kmax)
         return BlockRoute(layout, kv_idx, kv_cnt, budgets)
-    return select_blocks(scores, layout, budgets)
+    return select_blocks(scores, layout, budgets, kmax)
+
+
+def _curve_at(curve: torch.Tensor, k: Union[int, torch.Tensor]) -> torch.Tensor:
+    """``C(k)`` as a 0-dim tensor, for ``k`` an int or a 0-dim device tensor, without a host wait."""
+    if isinstance(k, int):
+        return curve[k - 1]
+    return curve.index_select(0, (k - 1).view(1)).squeeze(0)
 
 
 def route(
@@ -85,6 +102,10 @@ def route(
 ) -> tuple[BlockRoute, RouteStats]:
     """Route a pack at ``budget`` (bounded by coverage ``p`` against ``k_base`` when shrinking).
 
+    Nothing here waits for the device: under the coverage bound the budget is chosen on the
+    device, and the selection is made ``k_base`` wide (the bound never goes above it) with each
+    row's count set by the chosen budget.
+
     Args:
         q: ``[T, HQ, D]``; k: ``[T, G, D]``.
         budget: blocks per query block asked for (DST's ``k_anchor``, or ``--moba-topk``).
@@ -94,18 +115,21 @@ def route(
     if int(budget) < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     scores = block_scores(q, k, layout)
-    k_used = int(budget)
+    k_request = int(budget)
+    k_used: Union[int, torch.Tensor] = k_request
+    width = k_request
     curve = None
-    bounded = p is not None and k_base is not None and k_used < k_base
+    bounded = p is not None and k_base is not None and k_request < k_base
     if bounded or track_coverage:
-        curve = coverage_curve(scores, max(k_used, k_base or 1))
+        curve = coverage_curve(scores, max(k_request, k_base or 1))
     if bounded:
-        k_used = coverage_bounded_budget(curve, k_used, int(k_base), p)
+        k_used = coverage_bounded_budget(curve, k_request, int(k_base), p)
+        width = int(k_base)
     coverage = None
     if curve is not None:
-        coverage = torch.stack([curve[k_used - 1], curve[(k_base or k_used) - 1]])
-    stats = RouteStats(int(budget), k_used, coverage, bool(k_base) and curve is not None)
-    return select(scores, layout, k_used), stats
+        coverage = torch.stack([_curve_at(curve, k_used), _curve_at(curve, k_base or k_request)])
+    stats = RouteStats(k_request, k_used, coverage, bool(k_base) and curve is not None)
+    return select(scores, layout, k_used, width), stats
 
 
 def sparse_attention(

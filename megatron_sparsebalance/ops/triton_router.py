@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from megatron_sparsebalance.ops.layout import BlockLayout
-from megatron_sparsebalance.ops.router import candidate_mask
 
 
 @triton.jit
@@ -61,4 +60,4 @@ def block_scores_triton(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout) -
         pq = pool_blocks_triton(q, layout, G)
         pk = pool_blocks_triton(k, layout, G)
         scores = torch.einsum("igd,jgd->gij", pq, pk) / math.sqrt(q.shape[-1])
-        return scores.masked_fill_(~candidate_mask(layout), float("-inf"))
+        return torch.where(layout.candidates, scores, float("-inf"))

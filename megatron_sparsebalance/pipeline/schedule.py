@@ -18,7 +18,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
-from megatron_sparsebalance.attention.budget import budget_scope
+from megatron_sparsebalance.attention.budget import budget_scope, read_reports
 from megatron_sparsebalance.pipeline.p2p import StageLinks
 from megatron_sparsebalance.pipeline.timeline import IterationMetrics, StageClock, StageRecord, gather_iteration_metrics
 
@@ -105,7 +105,7 @@ def forward_backward_sparsebalance(
     shape = lambda i: plan.activation_shape(i, tp, config.sequence_parallel)  # noqa: E731
     set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
     clock = StageClock(device)
-    budgets, coverage, losses = {}, {}, []
+    reports, losses = {}, []
     total_tokens = torch.zeros((), dtype=torch.int, device=device)
 
     def run_forward(i: int, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
@@ -120,9 +120,7 @@ def forward_backward_sparsebalance(
             total_tokens = total_tokens + num_tokens.to(device)
             losses.append(reduced)
         clock.stop(i, "F")
-        if report.layers:
-            budgets[i] = report.mean_budget()
-            coverage[i] = report.mean_coverage()
+        reports[i] = report  # read after the schedule: reading now would stop the host here
         return output
 
     def run_backward(i, input_tensor, output_tensor, output_grad):
@@ -196,6 +194,7 @@ def forward_backward_sparsebalance(
         config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
 
     if plan.measure:
+        budgets, coverage = read_reports(reports)
         record = StageRecord(
             pp_rank=rank, dp_rank=parallel_state.get_data_parallel_rank(), spans=clock.spans(),
             budgets=budgets, coverage=coverage,
