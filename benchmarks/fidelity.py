@@ -1,7 +1,8 @@
 """Fidelity: does training with DST + SAB reach the quality of the fixed budget (and of dense)?
 
 Each configuration is one ``megatron_sparsebalance.pretrain`` run from scratch on the mock
-retrieval task (longtail lengths up to ``--seq-length``), on the same tokens (same
+retrieval task (longtail lengths up to ``--seq-length``; many key/value records per sample, a
+question for each, loss and accuracy on the answers: data/synthetic.py), on the same tokens (same
 ``--train-iters``, global batch and ``--seed``, hence the same samples in the same order),
 evaluated on the held-out split at the fixed budget ``--moba-topk`` (training/evaluate.py)::
 
@@ -14,16 +15,32 @@ Configurations: ``dense`` (``--no-sparse-attention``), ``fixed`` (``--dst-anchor
 arrival order: the paper's baseline), ``fixed_seed2`` (the same with ``--seed2``: how far two
 seeds of one method land apart, the yardstick for the other gaps), ``sb_p0.1`` and ``sb_p0.2``
 (``--dst-anchor mean --dst-p P --batching sab``). Runs go ``--gpus-per-run`` GPUs each, as many at
-once as the visible GPUs allow (``CUDA_VISIBLE_DEVICES`` per slot); without GPUs one after the
-other, ``--gpus-per-run`` gloo processes each. Flags this script does not know are passed on to
-every run, after its own, so they override them.
+once as the visible GPUs allow (``CUDA_VISIBLE_DEVICES`` per slot; the next configuration starts
+when a slot frees up); without GPUs one after the other, ``--gpus-per-run`` gloo processes each.
+Flags this script does not know are passed on to every run, after its own, so they override them.
+
+**Sizing (the defaults).** About 8 minutes of training per configuration on one H200: the sparse
+configurations of ``fidelity-small`` at ``--seq-length 32768`` take 0.47-0.55 s per iteration of
+16 longtail samples (measured), so 800 iterations are 380-440 s, plus start-up and evaluations.
+``--timeout-s 540`` then stops whatever still runs, so that a run's process stays under ~560 s
+(SIGTERM, then pretrain ends its iteration: up to 20 s): within a 600 s device command. Dense
+attention is about 3x slower per iteration here (the 100-iteration run needed ~1.7 s per
+iteration) and should reach ~300 iterations by then: its row
+keeps what it logged (``stopped``, ``iterations``, ``eval_iteration``, and its eval curve, to
+compare with the others at the same iterations). One configuration per GPU: on 4 GPUs, four run
+at once and a fifth would start only after one ends (past the device limit), so split them over
+two commands, the second with ``--merge`` to add its rows to the first's ``fidelity.json``::
+
+    python -m benchmarks.fidelity --out $OUT --configs fixed sb_p0.1 dense fixed_seed2   # 4 GPUs, ~9.5 min
+    python -m benchmarks.fidelity --out $OUT --configs sb_p0.2 --merge
 
 Measured per run: ``wall_s``, the training iterations' own time (pretrain's per-iteration
 ``elapsed_ms`` summed: no start-up, no evaluation), and ``process_wall_s``, the whole torchrun
 process. Writes ``<out>/fidelity.json`` (``{"gpu", "rows": [{"config", "tokens", "val_loss",
-"retrieval_acc", "acc_by_length", "mean_budget", "mean_coverage", "wall_s", ...}]}``, budgets and
-coverage are training means, None for dense), ``fidelity_loss.png``, ``fidelity_acc.png``, and
-keeps every run's logs, config, ``metrics.jsonl`` and ``eval.jsonl`` under ``<runs-dir>/<config>/``.
+"retrieval_acc", "acc_by_length", "acc_by_distance", "chance", "mean_budget", "mean_coverage",
+"wall_s", ...}]}``; ``retrieval_acc`` is the exact match per question, budgets and coverage are
+training means, None for dense), ``fidelity_loss.png``, ``fidelity_acc.png``, and keeps every
+run's logs, config, ``metrics.jsonl`` and ``eval.jsonl`` under ``<runs-dir>/<config>/``.
 """
 from __future__ import annotations
 
@@ -55,30 +72,36 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     p.add_argument("--model", default="fidelity-small", help="pretrain --model preset")
-    p.add_argument("--train-iters", type=int, default=100)
+    p.add_argument("--train-iters", type=int, default=800, help="about 8 minutes of the sparse runs on one H200")
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch on average (packs)")
     p.add_argument("--seq-length", type=int, default=32768)
-    p.add_argument("--eval-interval", type=int, default=25)
+    p.add_argument("--eval-interval", type=int, default=100)
     p.add_argument("--eval-iters", type=int, default=4, help="validation global batches per evaluation")
     p.add_argument("--mock-vocab-size", type=int, default=512, help="at most the model's vocabulary")
     p.add_argument("--mock-retrieval-depth", default="uniform", choices=("early", "uniform"),
                    help="uniform spreads the record-to-question distance, so accuracy can be read by distance")
+    p.add_argument("--mock-retrieval-records", default="auto",
+                   help="records (questions) per sample: auto = one per 256 tokens, or a count")
     p.add_argument("--moba-block-size", type=int, default=128)
     p.add_argument("--moba-topk", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr", type=float, default=1e-4)
-    p.add_argument("--lr-warmup-iters", type=int, default=10)
+    p.add_argument("--lr-warmup-iters", type=int, default=50)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--seed2", type=int, default=4321, help="the seed of fixed_seed2")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: --bf16 on GPUs, fp32 on the CPU")
     p.add_argument("--gpus-per-run", type=int, default=1, help="processes (GPUs) per run: PP x DP")
     p.add_argument("--pp", type=int, default=1, help="--pipeline-model-parallel-size of every run")
-    p.add_argument("--timeout-s", type=float, default=1800.0, help="a run still going after this is stopped")
+    p.add_argument("--timeout-s", type=float, default=540.0,
+                   help="a run still going after this is stopped (and keeps what it logged)")
     p.add_argument("--total-timeout-s", type=float, default=None,
                    help="stop whatever still runs after this long, and start nothing new")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of configurations this call does not run from <out>/fidelity.json (written "
+                        "by an earlier call with the same settings): splits the configurations over several calls")
     p.add_argument("--runs-dir", default=None, help="run logs (default: <out>/fidelity_runs)")
     args, extra = p.parse_known_args(argv)
     args.extra = extra
@@ -106,7 +129,8 @@ def build_runs(args, on_gpus: bool) -> list:
         flags = [
             "--model", args.model, "--pipeline-model-parallel-size", str(args.pp),
             "--mock-data", "--mock-length-distribution", "longtail", "--mock-content", "retrieval",
-            "--mock-retrieval-depth", args.mock_retrieval_depth, "--mock-vocab-size", str(args.mock_vocab_size),
+            "--mock-retrieval-depth", args.mock_retrieval_depth, "--mock-retrieval-records", args.mock_retrieval_records,
+            "--mock-vocab-size", str(args.mock_vocab_size),
             "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size),
             "--micro-batch-size", str(args.micro_batch_size), "--train-iters", str(args.train_iters),
             "--moba-block-size", str(args.moba_block_size), "--moba-topk", str(args.moba_topk),
@@ -164,14 +188,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 def run_all(runs: list, args, gpus: list) -> dict:
     """Run every configuration, ``len(gpus) // --gpus-per-run`` at a time (one after the other
-    without GPUs); returns ``{config: (exit code, process seconds)}``. A run past ``--timeout-s``,
-    or still going at ``--total-timeout-s``, is stopped (exit code -9 / -15); runs not started by
-    then are left out."""
+    without GPUs); returns ``{config: (exit code, process seconds, stopped)}``. A run past
+    ``--timeout-s``, or still going at ``--total-timeout-s``, is stopped (SIGTERM: pretrain ends the
+    iteration it is in and exits; ``stopped`` is True); runs not started by then are left out."""
     if gpus and len(gpus) < args.gpus_per_run:
         raise SystemExit(f"--gpus-per-run {args.gpus_per_run} but only {len(gpus)} GPUs are visible")
     slots = [gpus[i * args.gpus_per_run:(i + 1) * args.gpus_per_run] for i in range(len(gpus) // args.gpus_per_run)] or [[]]
     deadline = time.perf_counter() + args.total_timeout_s if args.total_timeout_s else math.inf
-    pending, running, done = list(runs), {}, {}
+    pending, running, done, stopped = list(runs), {}, {}, set()
     while running or (pending and time.perf_counter() < deadline):
         for slot_id, slot in enumerate(slots):
             if slot_id not in running and pending and time.perf_counter() < deadline:
@@ -184,9 +208,10 @@ def run_all(runs: list, args, gpus: list) -> dict:
             if proc.poll() is None and (now - t0 > args.timeout_s or now > deadline):
                 print(f"[fidelity] {run.config}: stopped after {now - t0:.0f} s (time limit)", flush=True)
                 stop(proc)
+                stopped.add(run.config)
             if proc.poll() is not None:
                 log.close()
-                done[run.config] = (proc.returncode, time.perf_counter() - t0)
+                done[run.config] = (proc.returncode, time.perf_counter() - t0, run.config in stopped)
                 del running[slot_id]
                 print(f"[fidelity] {run.config}: exit {proc.returncode} after {done[run.config][1]:.1f} s", flush=True)
     for run in pending:
@@ -217,10 +242,11 @@ def trained_tokens(config: dict, iterations: int) -> int:
 
 
 def chance(config: dict) -> dict:
-    """What a model that never finds the record scores: values are uniform over the non-marker ids."""
-    from megatron_sparsebalance.data.synthetic import RETRIEVAL_RESERVED, RETRIEVAL_VALUE_TOKENS
+    """What a model that never finds the records scores: answer tokens are uniform over the value ids,
+    and a question is right when all its RETRIEVAL_VALUE_TOKENS are."""
+    from megatron_sparsebalance.data.synthetic import RETRIEVAL_VALUE_TOKENS, retrieval_vocab
 
-    values = config["data"]["mock_vocab_size"] - RETRIEVAL_RESERVED
+    values = len(retrieval_vocab(config["data"]["mock_vocab_size"]).values)
     return {"loss": math.log(values), "token_acc": 1 / values, "acc": values ** -RETRIEVAL_VALUE_TOKENS}
 
 
@@ -229,14 +255,17 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def result_row(run: Run, exit_code: int | None, process_s: float, nproc: int, pp: int) -> dict:
+def result_row(run: Run, exit_code: int | None, process_s: float, stopped: bool, nproc: int, pp: int) -> dict:
+    """One configuration's row. A run stopped by a time limit keeps what it logged until then (its
+    iterations, its last evaluation) and says so under ``stopped``; one that failed, or stopped
+    before it logged anything, is an ``error``."""
     if exit_code is None:
         return {"config": run.config, "seed": run.seed, "exit_code": None, "error": "not started: --total-timeout-s"}
     metrics = read_jsonl(os.path.join(run.log_dir, "metrics.jsonl"))
     evals = read_jsonl(os.path.join(run.log_dir, "eval.jsonl"))
     row = {"config": run.config, "seed": run.seed, "exit_code": exit_code, "process_wall_s": process_s,
            "layout": {"processes": nproc, "pp": pp, "dp": nproc // pp}, "log_dir": run.log_dir}
-    if exit_code != 0 or not metrics or not evals:
+    if (exit_code != 0 and not stopped) or not metrics or not evals:
         with open(os.path.join(run.log_dir, "pretrain.log")) as f:
             row["error"] = f.read()[-3000:]
         return row
@@ -244,15 +273,20 @@ def result_row(run: Run, exit_code: int | None, process_s: float, nproc: int, pp
         config = json.load(f)
     final = evals[-1]
     dense = not config["sparse"]["sparse_attention"]
+    reached, planned = metrics[-1]["iteration"], config["training"]["train_iters"]
+    if stopped or reached < planned:
+        row["stopped"] = f"time limit: {reached} of {planned} iterations, last evaluation at {final['iteration']}"
     row.update({
-        "iterations": metrics[-1]["iteration"],
-        "tokens": trained_tokens(config, metrics[-1]["iteration"]),
+        "iterations": reached,
+        "eval_iteration": final["iteration"],
+        "tokens": trained_tokens(config, reached),
         "val_loss": final["loss"],
         "retrieval_acc": final["acc"],
         "token_acc": final["token_acc"],
         "acc_by_length": final["acc_by_length"],
         "acc_by_distance": final.get("acc_by_distance", {}),
         "val_samples": final["samples"],
+        "val_questions": final.get("questions"),
         "chance": chance(config),
         "mean_budget": None if dense else _mean(r["mean_budget"] for r in metrics),
         "mean_coverage": None if dense else _mean(r["mean_coverage"] for r in metrics),
@@ -331,6 +365,26 @@ def plot(rows: list, out_dir: str) -> list:
     return paths
 
 
+# Settings that say how a call ran, not what it measured: calls joined by --merge may differ in these.
+HOW_TO_RUN = ("configs", "timeout_s", "total_timeout_s", "out", "runs_dir", "merge")
+
+
+def merge_earlier(path: str, result: dict) -> dict:
+    """``result`` with the rows and commands of the configurations it did not run taken from the
+    earlier call's ``path``, which must have measured with the same settings."""
+    with open(path) as f:
+        earlier = json.load(f)
+    ours, theirs = result["settings"], earlier["settings"]
+    differ = sorted(k for k in set(ours) | set(theirs) if k not in HOW_TO_RUN and ours.get(k) != theirs.get(k))
+    if differ:
+        raise SystemExit(f"--merge: {path} was measured with other settings ({', '.join(differ)}); "
+                         f"run all its configurations again, or leave out --merge")
+    configs = {r["config"] for r in result["rows"]}
+    return {**result, "rows": [r for r in earlier["rows"] if r["config"] not in configs] + result["rows"],
+            "commands": {**earlier["commands"], **result["commands"]},
+            "total_wall_s": earlier["total_wall_s"] + result["total_wall_s"]}
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -342,30 +396,41 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     done = run_all(runs, args, gpus)
-    rows = [result_row(r, *done.get(r.config, (None, 0.0)), args.gpus_per_run, args.pp) for r in runs]
+    rows = [result_row(r, *done.get(r.config, (None, 0.0, False)), args.gpus_per_run, args.pp) for r in runs]
     result = {**environment(), "rows": rows, "total_wall_s": time.perf_counter() - t0,
               "settings": dict(vars(args)),
               "commands": {r.config: r.flags for r in runs},
               "measured": "wall_s: training iterations only (sum of pretrain's elapsed_ms); process_wall_s: the "
                           "whole torchrun process (start-up, evaluations, exit); budgets and coverage: training "
-                          "means; val_* and acc: the last evaluation, at the fixed budget --moba-topk"}
+                          "means; val_* and acc: the last evaluation (eval_iteration), at the fixed budget "
+                          "--moba-topk; retrieval_acc: exact match per question"}
+    path = os.path.join(args.out, "fidelity.json")
+    if args.merge and os.path.isfile(path):
+        result = merge_earlier(path, result)
+        rows = result["rows"]
     try:
         result["plots"] = plot(rows, args.out)
     except ImportError as exc:  # matplotlib is optional: the JSON is the result
         print(f"[fidelity] no plots: {exc}", flush=True)
-    path = os.path.join(args.out, "fidelity.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
-    print(f"{'config':<12} {'tokens':>10} {'val loss':>9} {'acc':>6} {'tok acc':>7} {'budget':>6} {'cover':>6} {'train s':>8}")
+    print(f"{'config':<12} {'iters':>6} {'tokens':>10} {'val loss':>9} {'acc':>6} {'tok acc':>7} {'budget':>6} "
+          f"{'cover':>6} {'train s':>8}")
     for r in rows:
         if "error" in r:
             why = r["error"] if r["exit_code"] is None else f"exit {r['exit_code']}, see {r['log_dir']}/pretrain.log"
             print(f"{r['config']:<12} FAILED: {why}")
             continue
-        print(f"{r['config']:<12} {r['tokens']:>10d} {r['val_loss']:>9.4f} {r['retrieval_acc']:>6.3f} "
+        print(f"{r['config']:<12} {r['iterations']:>6d} {r['tokens']:>10d} {r['val_loss']:>9.4f} {r['retrieval_acc']:>6.3f} "
               f"{r['token_acc']:>7.3f} {_fmt(r['mean_budget'], '.2f'):>6} {_fmt(r['mean_coverage'], '.3f'):>6} "
-              f"{r['wall_s']:>8.1f}")
+              f"{r['wall_s']:>8.1f}" + (f"  (stopped, {r['stopped']})" if "stopped" in r else ""))
+    # Runs stopped by the time limit end at other iterations: compare them where all were evaluated.
+    curves = {r["config"]: {e[0]: e[2] for e in r["eval_curve"]} for r in rows if "eval_curve" in r}
+    common = sorted(set.intersection(*(set(c) for c in curves.values()))) if curves else []
+    if common:
+        print("retrieval acc by iteration: " + " | ".join(
+            f"{config} " + " ".join(f"{it}:{acc[it]:.3f}" for it in common) for config, acc in curves.items()))
     print(f"wrote {path}")
     return 1 if any("error" in r for r in rows) else 0
 

@@ -21,12 +21,15 @@ from megatron_sparsebalance.data.datasets import (
 from megatron_sparsebalance.data.distributions import sample_lengths
 from megatron_sparsebalance.data.sampler import GlobalBatchSampler
 from megatron_sparsebalance.data.synthetic import (
-    ANSWER_MARK,
     KEY_MARK,
     QUERY_MARK,
     RETRIEVAL_KEY_TOKENS,
+    RETRIEVAL_RECORD_TOKENS,
+    RETRIEVAL_TOKENS_PER_RECORD,
     RETRIEVAL_VALUE_TOKENS,
-    VALUE_MARK,
+    retrieval_questions,
+    retrieval_sample,
+    retrieval_vocab,
 )
 
 WORDS = "hello world good day bye see you the cat sat on a mat long story".split()
@@ -78,35 +81,90 @@ def test_mock_dataset_is_deterministic_and_capped():
     assert np.array_equal(a.lengths, b.lengths) and a.lengths.max() <= 8192
     assert torch.equal(a[7].tokens, b[7].tokens) and len(a[7].tokens) == a.lengths[7]
     assert not np.array_equal(a.lengths, MockDataset(50, "bimodal", 8192, seed=4).lengths)
-    with pytest.raises(ValueError, match="--seq-length must be >= 24 for --mock-content retrieval"):
-        MockDataset(5, "uniform", 16, content="retrieval")
+    with pytest.raises(ValueError, match="--seq-length must be >= 12 for --mock-content retrieval"):
+        MockDataset(5, "uniform", 10, content="retrieval")
     with pytest.raises(ValueError, match="--mock-content"):
         MockDataset(5, "uniform", 64, content="poems")
 
 
-def test_retrieval_task_answer_mask():
-    ds = MockDataset(6, "uniform", 2048, content="retrieval", vocab_size=1000, seed=1)
+def _records(tokens):
+    """Plants and questions of a retrieval sample, read naively: {key: position} each."""
+    ids = tokens.tolist()
+    found = {KEY_MARK: {}, QUERY_MARK: {}}
+    for p, t in enumerate(ids):
+        if t in found:
+            key = tuple(ids[p + 1:p + 1 + RETRIEVAL_KEY_TOKENS])
+            assert key not in found[t], "keys are distinct within a sample"
+            found[t][key] = p
+    return found[KEY_MARK], found[QUERY_MARK]
+
+
+@pytest.mark.parametrize("depth", ["early", "uniform"])
+def test_retrieval_task_layout(depth):
+    vocab = retrieval_vocab(1000)
+    ds = MockDataset(6, "uniform", 4096, content="retrieval", vocab_size=1000, seed=1, retrieval_depth=depth)
     batch = pack_micro_batch(ds, [0, 3, 5])
-    n_answer = RETRIEVAL_VALUE_TOKENS
-    assert batch.loss_mask.sum().item() == 3 * n_answer
     cu = batch.cu_seqlens.tolist()
-    for s, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
-        tokens = batch.tokens[0, lo:hi]
-        mask = batch.loss_mask[0, lo:hi]
-        answer_positions = mask.nonzero().flatten()
-        # the loss sits on the positions that predict the value, right after ANSWER_MARK
-        assert answer_positions.tolist() == list(range(hi - lo - 1 - n_answer, hi - lo - 1))
-        answer = batch.labels[0, lo:hi][answer_positions]
-        assert tokens[hi - lo - 1 - n_answer - RETRIEVAL_KEY_TOKENS - 1] == QUERY_MARK
-        assert tokens[hi - lo - 1 - n_answer] == ANSWER_MARK
-        # the same key and value were planted in the first tenth of the sequence
-        plant = (tokens == KEY_MARK).nonzero().flatten().tolist()
-        assert len(plant) == 1 and plant[0] < (hi - lo) // 10
-        p = plant[0]
-        key = tokens[p + 1:p + 1 + RETRIEVAL_KEY_TOKENS]
-        assert tokens[p + 1 + RETRIEVAL_KEY_TOKENS] == VALUE_MARK
-        assert torch.equal(tokens[p + 2 + RETRIEVAL_KEY_TOKENS:p + 2 + RETRIEVAL_KEY_TOKENS + n_answer], answer)
-        assert torch.equal(tokens[hi - lo - n_answer - 1 - RETRIEVAL_KEY_TOKENS:hi - lo - n_answer - 1], key)
+    assert batch.loss_mask.sum().item() == sum(n // RETRIEVAL_TOKENS_PER_RECORD * RETRIEVAL_VALUE_TOKENS for n in batch.lengths)
+    for lo, hi in zip(cu[:-1], cu[1:]):
+        n, tokens = hi - lo, batch.tokens[0, lo:hi]
+        plants, questions = _records(tokens)
+        assert len(plants) == n // RETRIEVAL_TOKENS_PER_RECORD and plants.keys() == questions.keys()
+        in_record = torch.zeros(n, dtype=torch.bool)
+        answers = []
+        # where --mock-retrieval-depth puts them (a tenth of the span the records leave to filler)
+        slack = n - 2 * len(plants) * RETRIEVAL_RECORD_TOKENS
+        early_plant_end = 0.1 * slack + len(plants) * RETRIEVAL_RECORD_TOKENS
+        early_question_start = 0.9 * slack - 1 + len(plants) * RETRIEVAL_RECORD_TOKENS
+        for key, p in plants.items():
+            q = questions[key]
+            assert all(k in vocab.keys for k in key) and p < q
+            value = tokens[p + 1 + RETRIEVAL_KEY_TOKENS:p + RETRIEVAL_RECORD_TOKENS]
+            assert all(int(v) in vocab.values for v in value)
+            # the question repeats the key, then the answer: the planted value
+            assert torch.equal(tokens[q + 1 + RETRIEVAL_KEY_TOKENS:q + RETRIEVAL_RECORD_TOKENS], value)
+            answers += range(q + 1 + RETRIEVAL_KEY_TOKENS, q + RETRIEVAL_RECORD_TOKENS)
+            in_record[p:p + RETRIEVAL_RECORD_TOKENS] = in_record[q:q + RETRIEVAL_RECORD_TOKENS] = True
+            if depth == "early":
+                assert p < early_plant_end and q >= early_question_start
+        # everything else is filler, whose ids nothing else uses: a key occurs only where planted and asked
+        assert all(int(t) in vocab.filler for t in tokens[~in_record])
+        # the loss sits on the positions that predict an answer token, and only there
+        assert batch.loss_mask[0, lo:hi].nonzero().flatten().tolist() == sorted(a - 1 for a in answers)
+        if depth == "early":  # questions are not asked in the order the records were planted
+            assert sorted(plants, key=plants.get) != sorted(questions, key=questions.get)
+        assert retrieval_questions(tokens) == sorted(
+            ((questions[k] - plants[k], range(questions[k] + 1 + RETRIEVAL_KEY_TOKENS, questions[k] + RETRIEVAL_RECORD_TOKENS))
+             for k in plants), key=lambda d: d[1].start)
+
+
+def test_retrieval_records_flag():
+    rng = np.random.default_rng(0)
+    tokens, mask = retrieval_sample(300, 64, rng, "uniform", records=5)
+    assert len(retrieval_questions(tokens)) == 5 and mask.sum() == 5 * RETRIEVAL_VALUE_TOKENS
+    # auto: one record per RETRIEVAL_TOKENS_PER_RECORD tokens, at least one
+    assert len(retrieval_questions(retrieval_sample(100, 64, rng)[0])) == 1
+    ds = MockDataset(20, "longtail", 4096, content="retrieval", vocab_size=512, seed=2, retrieval_records="3")
+    assert all(len(retrieval_questions(ds[i].tokens)) == 3 for i in range(len(ds)))
+    with pytest.raises(ValueError, match="not a retrieval sample: no QUERY marker"):
+        retrieval_questions(torch.full((40,), 9))
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"mock_retrieval_records": "many"}, r"--mock-retrieval-records must be 'auto' or a count >= 1, got 'many'"),
+    ({"mock_retrieval_records": "0"}, r"--mock-retrieval-records must be 'auto' or a count >= 1"),
+    ({"mock_retrieval_records": "100", "seq_length": 512}, r"--seq-length must be >= 804 .* --mock-retrieval-records 100"),
+    ({"mock_vocab_size": 64}, r"--mock-retrieval-records auto gives a 32768-token sample 128 records, but "
+                              r"--mock-vocab-size 64 has only 23 key ids"),
+    ({"mock_vocab_size": 5}, r"--mock-vocab-size must be >= 6 for --mock-content retrieval"),
+    ({"mock_retrieval_depth": "late"}, r"--mock-retrieval-depth must be one of"),
+])
+def test_bad_retrieval_flags_name_the_flag(fields, match):
+    cfg = DataConfig(**{"seq_length": 32768, "mock_data": True, "mock_content": "retrieval", **fields})
+    with pytest.raises(ValueError, match=match):
+        cfg.validate()
+    with pytest.raises(ValueError, match=match):
+        build_dataset(cfg)
 
 
 def test_pack_micro_batch_layout():

@@ -28,10 +28,12 @@ import torch
 from megatron_sparsebalance.data.distributions import DISTRIBUTIONS, check_distribution, sample_lengths
 from megatron_sparsebalance.data.synthetic import (
     RETRIEVAL_DEPTHS,
-    RETRIEVAL_MIN_LENGTH,
     PackedBatch,
+    check_retrieval_capacity,
     pack_sequences,
+    parse_retrieval_records,
     random_token_sample,
+    retrieval_min_length,
     retrieval_sample,
 )
 
@@ -92,7 +94,8 @@ class MockDataset(TokenDataset):
     """
 
     def __init__(self, num_samples: int, distribution: str, seq_length: int, content: str = "random",
-                 vocab_size: int = 32000, seed: int = 1234, retrieval_depth: str = "early", split: str = "train"):
+                 vocab_size: int = 32000, seed: int = 1234, retrieval_depth: str = "early", split: str = "train",
+                 retrieval_records="auto"):
         check_distribution(distribution)
         if content not in MOCK_CONTENTS:
             raise ValueError(f"--mock-content must be one of {MOCK_CONTENTS}, got {content!r}")
@@ -102,9 +105,15 @@ class MockDataset(TokenDataset):
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if vocab_size < 2:
             raise ValueError(f"--mock-vocab-size must be >= 2, got {vocab_size}")
-        min_length = RETRIEVAL_MIN_LENGTH if content == "retrieval" else MIN_SAMPLE_LENGTH
-        if seq_length < min_length:
-            raise ValueError(f"--seq-length must be >= {min_length} for --mock-content {content}, got {seq_length}")
+        self.retrieval_records = parse_retrieval_records(retrieval_records)
+        if content == "retrieval":
+            check_retrieval_capacity(seq_length, vocab_size, self.retrieval_records)
+            # Even the shortest sample holds its records: the fixed count, or auto's one.
+            min_length = retrieval_min_length(self.retrieval_records or 1)
+        elif seq_length < MIN_SAMPLE_LENGTH:
+            raise ValueError(f"--seq-length must be >= {MIN_SAMPLE_LENGTH} for --mock-content {content}, got {seq_length}")
+        else:
+            min_length = MIN_SAMPLE_LENGTH
         self.distribution, self.content, self.vocab_size, self.seed = distribution, content, vocab_size, seed
         self.retrieval_depth, self.split = retrieval_depth, split
         # Stream tags: 0 and 1 (lengths, samples) for training, as before splits existed, so
@@ -118,7 +127,7 @@ class MockDataset(TokenDataset):
         rng = np.random.default_rng([self.seed, self._stream + 1, int(index)])
         length = int(self.lengths[index])
         if self.content == "retrieval":
-            return Sample(*retrieval_sample(length, self.vocab_size, rng, self.retrieval_depth))
+            return Sample(*retrieval_sample(length, self.vocab_size, rng, self.retrieval_depth, self.retrieval_records))
         return Sample(*random_token_sample(length, self.vocab_size, rng))
 
 
@@ -281,7 +290,8 @@ class DataConfig:
     """Length distribution of the mock samples: bimodal, longtail, uniform or fixed."""
 
     mock_content: str = "random"
-    """Mock sample content: random tokens, or the retrieval task (a key planted early, asked for at the end)."""
+    """Mock sample content: random tokens, or the retrieval task (key/value records planted in filler, a
+    question for each later on; loss on the answers)."""
 
     mock_samples: int = 16384
     """Number of mock samples (one epoch)."""
@@ -290,8 +300,13 @@ class DataConfig:
     """Token ids of mock samples are below this."""
 
     mock_retrieval_depth: str = "early"
-    """Where --mock-content retrieval plants the record: early (first tenth: the question is about a
-    whole sample away) or uniform (anywhere before the question: distances from a few tokens up)."""
+    """Where --mock-content retrieval plants the records and asks for them: early (plants in the first
+    tenth, questions in the last: each question is most of a sample away) or uniform (each record
+    planted and asked at two random points: distances from a few tokens to the length)."""
+
+    mock_retrieval_records: str = "auto"
+    """Records (and questions) per --mock-content retrieval sample: auto (one per 256 tokens of the
+    sample, at least one) or a count N for every sample."""
 
     valid_data_path: Optional[str] = None
     """Validation data for --eval-interval when it is not mock data: a .jsonl file or a .bin/.idx
@@ -312,6 +327,9 @@ class DataConfig:
                 raise ValueError(f"--mock-samples must be >= 1, got {self.mock_samples}")
             if self.mock_retrieval_depth not in RETRIEVAL_DEPTHS:
                 raise ValueError(f"--mock-retrieval-depth must be one of {RETRIEVAL_DEPTHS}, got {self.mock_retrieval_depth!r}")
+            records = parse_retrieval_records(self.mock_retrieval_records)
+            if self.mock_content == "retrieval":
+                check_retrieval_capacity(self.seq_length, self.mock_vocab_size, records)
         elif not self.data_path:
             raise ValueError("--data-path is required unless --mock-data is given")
         elif self.data_path.endswith(".jsonl") and not self.tokenizer_model:
@@ -323,7 +341,8 @@ def build_dataset(cfg: DataConfig) -> TokenDataset:
     cfg.validate()
     if cfg.mock_data:
         return MockDataset(cfg.mock_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content,
-                           cfg.mock_vocab_size, cfg.seed, cfg.mock_retrieval_depth)
+                           cfg.mock_vocab_size, cfg.seed, cfg.mock_retrieval_depth,
+                           retrieval_records=cfg.mock_retrieval_records)
     return _file_dataset(cfg.data_path, cfg)
 
 
@@ -343,7 +362,8 @@ def build_validation_dataset(cfg: DataConfig, num_samples: int) -> TokenDataset:
     if not cfg.mock_data:
         raise ValueError("evaluation needs validation data: --valid-data-path, or --mock-data")
     return MockDataset(num_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content, cfg.mock_vocab_size,
-                       VALIDATION_SEED, cfg.mock_retrieval_depth, split="validation")
+                       VALIDATION_SEED, cfg.mock_retrieval_depth, split="validation",
+                       retrieval_records=cfg.mock_retrieval_records)
 
 
 def pack_micro_batch(dataset: TokenDataset, indices: Sequence[int]) -> PackedBatch:

@@ -1,15 +1,18 @@
-"""Synthetic packed micro-batches whose loss needs attention far back: the copy task.
+"""Synthetic packed micro-batches whose loss needs attention far back: the copy task, and the
+mock data's sample contents (random tokens, the retrieval task).
 
-Each sequence is ``prefix + prefix`` with random tokens, so the second half is predictable
-only by attending to the block holding the same token one half-length earlier. A block-sparse
-router that picks the right blocks learns it; that makes it a small end-to-end check that the
-sparse attention trains.
+Each copy-task sequence is ``prefix + prefix`` with random tokens, so the second half is
+predictable only by attending to the block holding the same token one half-length earlier. A
+block-sparse router that picks the right blocks learns it; that makes it a small end-to-end check
+that the sparse attention trains. The retrieval task (``--mock-content retrieval``, described
+at :func:`retrieval_sample`) asks the same of a model trained on it, question by question.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -100,67 +103,194 @@ def copy_task_batch(lengths: list[int], vocab_size: int, generator: torch.Genera
     return pack_sequences(seqs, masks)
 
 
-# The synthetic retrieval task (``--mock-content retrieval``). Token ids below RETRIEVAL_RESERVED
-# are markers; keys, values and the filler are drawn above them, so a marker never appears by chance.
-KEY_MARK, VALUE_MARK, QUERY_MARK, ANSWER_MARK = 1, 2, 3, 4
-RETRIEVAL_RESERVED = 5
-RETRIEVAL_KEY_TOKENS = 4
-RETRIEVAL_VALUE_TOKENS = 4
-_RECORD = 2 + RETRIEVAL_KEY_TOKENS + RETRIEVAL_VALUE_TOKENS
-# Two records (the plant and the question) and at least a few filler tokens between them.
-RETRIEVAL_MIN_LENGTH = 2 * _RECORD + 4
-RETRIEVAL_DEPTHS = ("early", "uniform")
-
-
 def random_token_sample(length: int, vocab_size: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniform random tokens in ``[1, vocab_size)``; every token is a loss target."""
     tokens = torch.from_numpy(rng.integers(1, vocab_size, length, dtype="int64"))
     return tokens, torch.ones(length)
 
 
-def retrieval_sample(length: int, vocab_size: int, rng, depth: str = "early") -> tuple[torch.Tensor, torch.Tensor]:
-    """A key/value record planted early (or anywhere, ``depth``), asked for at the very end.
+# ---- the retrieval task (``--mock-content retrieval``) ---------------------------------------
+#
+# Many key/value records planted in filler, and later a question for every record:
+#
+#     filler .. KEY k v1 v2 .. filler .. KEY k' v1' v2' .. QUERY k v1 v2 .. filler .. QUERY k' v1' v2' ..
+#
+# The loss (the target mask) is on the value tokens of the questions only. Why this form:
+#
+# - *Many questions per sample.* One question gave 4 loss tokens per sample, too little signal
+#   for a model trained from scratch to leave chance in a benchmark-sized run; one record per
+#   RETRIEVAL_TOKENS_PER_RECORD tokens gives a 6.6K-token sample ~25 questions.
+# - *Disjoint id ranges.* Markers, filler, keys and values never share an id, so a key occurs
+#   exactly twice in a sample (its plant and its question) and the value after a question's key is
+#   predictable only by finding that key's plant: nothing else in the sample, its position
+#   included, says anything about it. The filler range is small, so the filler of every
+#   attention block pools to about the same vector and the blocks differ by their records, which
+#   is what a block router has to see.
+# - *One-token keys, no marker between key and value.* ``QUERY k`` then predicts ``v1`` exactly as
+#   an induction head does (find the earlier ``k``, copy the token after it), the mechanism small
+#   transformers learn first; a marker in between would need a two-tokens-back lookup instead.
+# - *Where the plants and questions go* (``--mock-retrieval-depth``): ``uniform`` puts each
+#   record's plant and question at two random points of the sample, the plant first, so distances
+#   run from a few tokens to the whole length, many of them short: the lookup can be learned
+#   where attention is not yet spread over thousands of tokens, and the same heads then serve the
+#   long distances. ``early`` plants every record in the first tenth and asks in the last tenth,
+#   in another order: every question is about a whole sample away (the hardest case for a sparse
+#   budget, and with no short distances to learn from). Either way plants and questions are spread out,
+#   not packed, so an attention block holds a few of them: a block-sparse query block reaches
+#   only ``--moba-topk`` blocks, and the task should measure whether the router finds the right
+#   ones, not how many a budget can hold.
 
-    Layout: ``filler .. KEY k1..k4 VALUE v1..v4 .. filler .. QUERY k1..k4 ANSWER v1..v4``. The
-    target mask (what ``pack_sequences`` turns into the loss mask) is 1 exactly on the answer
-    tokens ``v1..v4`` at the end: they are predictable only from the planted record, so the loss
-    and the answer accuracy measure whether attention (the sparse router included) reaches it.
+KEY_MARK, QUERY_MARK = 1, 2
+# Ids below this are markers (0 is left unused, as the padding id of most tokenizers).
+RETRIEVAL_RESERVED = 3
+RETRIEVAL_KEY_TOKENS = 1
+RETRIEVAL_VALUE_TOKENS = 2
+RETRIEVAL_RECORD_TOKENS = 1 + RETRIEVAL_KEY_TOKENS + RETRIEVAL_VALUE_TOKENS
+"""A plant (``KEY k v1 v2``) and a question (``QUERY k v1 v2``) are both this long."""
+RETRIEVAL_FILLER_IDS = 16
+RETRIEVAL_TOKENS_PER_RECORD = 256
+"""``--mock-retrieval-records auto``: one record per this many tokens of a sample (at least one)."""
+RETRIEVAL_EARLY_SPAN = 0.1
+"""``--mock-retrieval-depth early``: plants in this first fraction of a sample, questions in the last."""
+RETRIEVAL_DEPTHS = ("early", "uniform")
 
-    ``depth`` (``--mock-retrieval-depth``): ``early`` plants the record in the first tenth, so the
-    distance to the question is about the whole length; ``uniform`` plants it anywhere before the
-    question, so distances spread from a few tokens to the length and accuracy can be told apart
-    by distance (:func:`retrieval_distance`).
+
+def retrieval_min_length(records: int) -> int:
+    """Shortest sample that holds ``records`` plants and their questions, with some filler between."""
+    return 2 * records * RETRIEVAL_RECORD_TOKENS + 4
+
+
+@dataclass(frozen=True)
+class RetrievalVocab:
+    """The disjoint id ranges of the retrieval task in a vocabulary (markers below ``filler``)."""
+
+    filler: range
+    keys: range
+    values: range
+
+
+def retrieval_vocab(vocab_size: int) -> RetrievalVocab:
+    """Split ``[RETRIEVAL_RESERVED, vocab_size)``: a small filler range, then keys and values in halves.
+
+    Keys and values get the most ids: distinct keys bound the records of a sample, and the value
+    range sets chance (``1 / len(values)`` per answer token).
     """
-    if length < RETRIEVAL_MIN_LENGTH:
-        raise ValueError(f"--seq-length must be >= {RETRIEVAL_MIN_LENGTH} for --mock-content retrieval, got a sample of {length}")
-    if vocab_size <= RETRIEVAL_RESERVED + 1:
-        raise ValueError(f"--mock-vocab-size must be > {RETRIEVAL_RESERVED + 1} for --mock-content retrieval, got {vocab_size}")
-    tokens = rng.integers(RETRIEVAL_RESERVED, vocab_size, length, dtype="int64")
-    key = rng.integers(RETRIEVAL_RESERVED, vocab_size, RETRIEVAL_KEY_TOKENS, dtype="int64")
-    value = rng.integers(RETRIEVAL_RESERVED, vocab_size, RETRIEVAL_VALUE_TOKENS, dtype="int64")
-    plant = [KEY_MARK, *key, VALUE_MARK, *value]
-    question = [QUERY_MARK, *key, ANSWER_MARK, *value]
+    usable = vocab_size - RETRIEVAL_RESERVED
+    if usable < 3:
+        raise ValueError(f"--mock-vocab-size must be >= {RETRIEVAL_RESERVED + 3} for --mock-content retrieval "
+                         f"(markers, filler, keys and values need ids of their own), got {vocab_size}")
+    filler = max(1, min(RETRIEVAL_FILLER_IDS, usable // 4))
+    keys = (usable - filler) // 2
+    key_start = RETRIEVAL_RESERVED + filler
+    return RetrievalVocab(range(RETRIEVAL_RESERVED, key_start), range(key_start, key_start + keys),
+                          range(key_start + keys, vocab_size))
+
+
+def parse_retrieval_records(value) -> Optional[int]:
+    """``--mock-retrieval-records``: ``auto`` (None: one record per RETRIEVAL_TOKENS_PER_RECORD
+    tokens) or a positive count for every sample."""
+    if str(value) == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"--mock-retrieval-records must be 'auto' or a count >= 1, got {value!r}")
+    return count
+
+
+def retrieval_record_count(length: int, records: Optional[int]) -> int:
+    """Records of a sample of ``length`` tokens (``records``: the parsed ``--mock-retrieval-records``)."""
+    return records if records is not None else max(1, length // RETRIEVAL_TOKENS_PER_RECORD)
+
+
+def check_retrieval_capacity(length: int, vocab_size: int, records: Optional[int]) -> None:
+    """Raise unless a sample of ``length`` tokens (the longest: ``--seq-length``) holds its records
+    and its vocabulary has a distinct key for each."""
+    count = retrieval_record_count(length, records)
+    shown = "auto" if records is None else records
+    if length < retrieval_min_length(count):
+        raise ValueError(f"--seq-length must be >= {retrieval_min_length(count)} for --mock-content retrieval "
+                         f"with --mock-retrieval-records {shown}, got {length}")
+    keys = len(retrieval_vocab(vocab_size).keys)
+    if count * RETRIEVAL_KEY_TOKENS > keys:
+        raise ValueError(f"--mock-retrieval-records {shown} gives a {length}-token sample {count} records, but "
+                         f"--mock-vocab-size {vocab_size} has only {keys} key ids: raise --mock-vocab-size or "
+                         f"lower --mock-retrieval-records")
+
+
+def _lay_out(times: np.ndarray, size: int, length: int) -> np.ndarray:
+    """Starts of spans of ``size`` tokens, one per time in ``[0, 1)``, in time order (ties: in the
+    given order) and without overlap, at about ``time x length``: the filler between them is
+    what is left, shared out by the gaps between the times."""
+    order = np.argsort(times, kind="stable")
+    slack = length - len(times) * size
+    starts = np.empty(len(times), dtype=np.int64)
+    starts[order] = np.floor(times[order] * slack).astype(np.int64) + np.arange(len(times)) * size
+    return starts
+
+
+def retrieval_sample(length: int, vocab_size: int, rng, depth: str = "early",
+                     records: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Records planted in filler and a question for each, later (layout and reasons above).
+
+    Returns the tokens ``[length]`` and the target mask (what ``pack_sequences`` turns into the
+    loss mask): 1 exactly on the questions' value tokens. ``records`` is the parsed
+    ``--mock-retrieval-records`` (None: auto). ``depth`` (``--mock-retrieval-depth``): ``uniform``
+    plants and asks each record at two random points, so distances spread from a few tokens to
+    the length and accuracy can be told apart by distance (:func:`retrieval_questions`);
+    ``early`` plants in the first tenth and asks in the last, so every question is most of a
+    sample away from its record.
+    """
     if depth not in RETRIEVAL_DEPTHS:
         raise ValueError(f"--mock-retrieval-depth must be one of {RETRIEVAL_DEPTHS}, got {depth!r}")
+    check_retrieval_capacity(length, vocab_size, records)
+    vocab, count = retrieval_vocab(vocab_size), retrieval_record_count(length, records)
+    tokens = rng.integers(vocab.filler.start, vocab.filler.stop, length, dtype="int64")
+    keys = vocab.keys.start + rng.choice(len(vocab.keys), (count, RETRIEVAL_KEY_TOKENS), replace=False)
+    values = rng.integers(vocab.values.start, vocab.values.stop, (count, RETRIEVAL_VALUE_TOKENS), dtype="int64")
     if depth == "early":
-        start = int(rng.integers(0, max(1, length // 10 - _RECORD)))
+        plant_times = rng.uniform(0.0, RETRIEVAL_EARLY_SPAN, count)
+        question_times = rng.uniform(1.0 - RETRIEVAL_EARLY_SPAN, 1.0, count)
     else:
-        start = int(rng.integers(0, length - 2 * _RECORD + 1))
-    tokens[start:start + _RECORD] = plant
-    tokens[length - _RECORD:] = question
+        plant_times, question_times = np.sort(rng.random((2, count)), axis=0)
+    # Plants first in the list: a question drawn at its plant's very time still comes after it.
+    starts = _lay_out(np.concatenate([plant_times, question_times]), RETRIEVAL_RECORD_TOKENS, length)
     mask = torch.zeros(length)
-    mask[length - RETRIEVAL_VALUE_TOKENS:] = 1.0
+    for record in range(count):
+        plant, question = starts[record], starts[count + record]
+        tokens[plant:plant + RETRIEVAL_RECORD_TOKENS] = [KEY_MARK, *keys[record], *values[record]]
+        tokens[question:question + RETRIEVAL_RECORD_TOKENS] = [QUERY_MARK, *keys[record], *values[record]]
+        mask[question + 1 + RETRIEVAL_KEY_TOKENS:question + RETRIEVAL_RECORD_TOKENS] = 1.0
     return torch.from_numpy(tokens), mask
 
 
-def retrieval_distance(tokens: torch.Tensor) -> int:
-    """Tokens from the planted record to the question in one retrieval sample (``[n]`` ids).
+class RetrievalQuestion(NamedTuple):
+    """One question of a retrieval sample, read from its tokens."""
+
+    distance: int
+    """Tokens from the record's plant (its KEY marker) to the question (its QUERY marker)."""
+    answers: range
+    """Positions of the answer (value) tokens in the sample."""
+
+
+def retrieval_questions(tokens: torch.Tensor) -> list:
+    """Every :class:`RetrievalQuestion` of one retrieval sample (``tokens``: ``[n]`` ids), in order.
 
     Read from the markers, which filler never contains, rather than carried beside the sample:
-    it is then a fact about the tokens the model saw, and needs no metadata through packing.
+    they are then facts about the tokens the model saw, and need no metadata through packing.
     """
-    key = (tokens == KEY_MARK).nonzero()
-    query = (tokens == QUERY_MARK).nonzero()
-    if len(key) != 1 or len(query) != 1:
-        raise ValueError(f"not a retrieval sample: {len(key)} KEY and {len(query)} QUERY markers")
-    return int(query[0, 0] - key[0, 0])
+    ids = tokens.tolist()
+    plants = {tuple(ids[p + 1:p + 1 + RETRIEVAL_KEY_TOKENS]): p for p, t in enumerate(ids) if t == KEY_MARK}
+    out = []
+    for q, t in enumerate(ids):
+        if t != QUERY_MARK:
+            continue
+        key = tuple(ids[q + 1:q + 1 + RETRIEVAL_KEY_TOKENS])
+        if key not in plants or q + RETRIEVAL_RECORD_TOKENS > len(ids):
+            raise ValueError(f"not a retrieval sample: the question at {q} has no planted record or no answer")
+        out.append(RetrievalQuestion(q - plants[key], range(q + 1 + RETRIEVAL_KEY_TOKENS, q + RETRIEVAL_RECORD_TOKENS)))
+    if not out:
+        raise ValueError("not a retrieval sample: no QUERY marker")
+    return out

@@ -13,11 +13,13 @@ Owns the validation pass of a run, what it measures and how it is logged. Decisi
 - **The training path, forward only.** The global batches are planned by a copy of the run's
   batcher (SAB, LBB or arrival order), packed into the same THD micro-batches and run by our 1F1B
   schedule with ``forward_only=True``, under any PP x DP.
-- **Metrics**, per sample on the last stage, then over every sample of every DP rank: per-token
-  loss (sum over target tokens / their count, as Megatron's ``evaluate``), per-token accuracy
-  (argmax = label) and exact match (every target token right: for ``--mock-content retrieval``
-  the 4 answer tokens, i.e. the retrieval accuracy), also by sequence length and, for retrieval,
-  by the distance from the planted record to the question.
+- **Metrics**, from each target token's loss and argmax on the last stage, over every sample of
+  every DP rank: per-token loss (sum over target tokens / their count, as Megatron's
+  ``evaluate``), per-token accuracy (argmax = label) and exact match (``acc``: every target token
+  of a unit right), also by sequence length. The unit of exact match is the sample, except for
+  ``--mock-content retrieval``, where it is the question (its answer tokens; a sample holds many,
+  each at its own distance from its record): ``acc`` is then the retrieval accuracy, and it is
+  also bucketed by the distance from the planted record to the question.
 
 Rows go to ``eval.jsonl`` in the log directory, to TensorBoard (``eval/...``) and to the log as
 Megatron's ``validation loss at iteration N`` line.
@@ -40,19 +42,21 @@ from megatron_sparsebalance.balance.dst import DSTConfig
 from megatron_sparsebalance.balance.sab import SparsityEstimator
 from megatron_sparsebalance.data.datasets import build_validation_dataset
 from megatron_sparsebalance.data.sampler import GlobalBatchSampler
-from megatron_sparsebalance.data.synthetic import PackedBatch, retrieval_distance
+from megatron_sparsebalance.data.synthetic import PackedBatch, retrieval_questions
 from megatron_sparsebalance.pipeline.schedule import forward_backward_sparsebalance
 from megatron_sparsebalance.training.step import pipeline_plans
 
 
-class SampleScore(NamedTuple):
-    """One validation sample's outcome (host numbers: gathered across ranks as objects)."""
+class Score(NamedTuple):
+    """The outcome of one scored unit, a validation sample or one retrieval question (host numbers:
+    gathered across ranks as objects)."""
 
     length: int
+    """Tokens of the sample (the question's sample)."""
     distance: Optional[int]
-    """Tokens from the planted record to the question (retrieval samples), else None."""
+    """A question's distance from its planted record to it, in tokens; None for a sample."""
     loss_sum: float
-    """Summed cross entropy over the sample's target tokens."""
+    """Summed cross entropy over the unit's target tokens."""
     targets: int
     correct: int
     """Target tokens whose argmax prediction is the label."""
@@ -68,8 +72,9 @@ def eval_forward_step(data_iterator, model):
     predictions come from a forward hook on the output layer, which sees the logits ``[s, b, V]``
     that loss is computed from. Asking the model for logits instead (no labels) would make a
     second, transposed copy of them and need a cross entropy of our own. The report's
-    ``per_sample`` is ``[3, n]``: loss sum, target tokens and correct tokens of the pack's ``n``
-    sequences. Assumes the whole vocabulary on one rank (TP = 1, which the run checks).
+    ``per_token`` is ``[2, T]``: each position's loss and whether its argmax is the label (1/0),
+    both 0 off the loss mask; the host cuts it into samples and questions (:func:`pack_scores`).
+    Assumes the whole vocabulary on one rank (TP = 1, which the run checks).
     """
     batch: PackedBatch = next(data_iterator)
     captured = {}
@@ -92,18 +97,36 @@ def eval_forward_step(data_iterator, model):
         loss = per_token_loss[0].float() * mask
         prediction = captured["prediction"][:, 0]  # [s, b=1]: THD packs are one row
         right = (prediction == batch.labels[0]).float() * mask
-        lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long().to(mask.device)
-        sample_of = torch.repeat_interleave(torch.arange(len(lengths), device=mask.device), lengths,
-                                            output_size=mask.numel())
-        per_sample = torch.zeros(3, len(lengths), dtype=torch.float64, device=mask.device)
-        per_sample.index_add_(1, sample_of, torch.stack([loss, mask, right]).double())
         total, tokens = loss.sum(), mask.sum().to(torch.int)
-        return total, tokens, {"loss_sum": total.detach(), "tokens": tokens.detach(), "per_sample": per_sample}
+        return total, tokens, {"loss_sum": total.detach(), "tokens": tokens.detach(),
+                               "per_token": torch.stack([loss, right])}
 
     return output, loss_func
 
 
 # ---- reductions ------------------------------------------------------------------------------
+
+
+def pack_scores(batch: PackedBatch, per_token: torch.Tensor, retrieval: bool) -> tuple[list, list]:
+    """The :class:`Score` of each sample of a pack and (``retrieval``) of each of its questions.
+
+    ``per_token``: the last stage's ``[2, T]`` (loss, right) of the pack (:func:`eval_forward_step`);
+    ``batch``: the pack on the host, whose tokens say where the questions are.
+    """
+    loss, right = per_token.double()
+    mask = batch.loss_mask[0]
+    cu = batch.cu_seqlens.tolist()
+    samples, questions = [], []
+    for lo, hi in zip(cu[:-1], cu[1:]):
+        samples.append(Score(hi - lo, None, float(loss[lo:hi].sum()), round(float(mask[lo:hi].sum())),
+                             round(float(right[lo:hi].sum()))))
+        if retrieval:
+            for question in retrieval_questions(batch.tokens[0, lo:hi]):
+                # Labels are the next tokens: the answer token at a is predicted at a - 1.
+                at = torch.tensor(question.answers) + (lo - 1)
+                questions.append(Score(hi - lo, question.distance, float(loss[at].sum()), len(at),
+                                       round(float(right[at].sum()))))
+    return samples, questions
 
 
 def bucket_of(value: int) -> str:
@@ -116,18 +139,18 @@ def _bucket_key(label: str) -> int:
     return int(label.split("-")[1])
 
 
-def score_table(scores: Sequence[SampleScore]) -> dict:
-    """Samples, exact match, token accuracy and per-token loss of a set of samples."""
+def score_table(scores: Sequence[Score]) -> dict:
+    """Units (``n``), exact match, token accuracy and per-token loss of a set of scored units."""
     targets = sum(s.targets for s in scores)
     return {
-        "samples": len(scores),
+        "n": len(scores),
         "acc": sum(s.correct == s.targets for s in scores) / len(scores) if scores else float("nan"),
         "token_acc": sum(s.correct for s in scores) / targets if targets else float("nan"),
         "loss": sum(s.loss_sum for s in scores) / targets if targets else float("nan"),
     }
 
 
-def bucketed(scores: Sequence[SampleScore], key) -> dict:
+def bucketed(scores: Sequence[Score], key) -> dict:
     """:func:`score_table` per power-of-two bucket of ``key(score)``, buckets in ascending order."""
     groups: dict = {}
     for s in scores:
@@ -135,22 +158,26 @@ def bucketed(scores: Sequence[SampleScore], key) -> dict:
     return {label: score_table(groups[label]) for label in sorted(groups, key=_bucket_key)}
 
 
-def summarize(scores: Sequence[SampleScore], retrieval: bool) -> dict:
-    """Everything one evaluation reports. Samples without a target token count in nothing."""
-    scored = [s for s in scores if s.targets > 0]
+def summarize(samples: Sequence[Score], questions: Optional[Sequence[Score]] = None) -> dict:
+    """Everything one evaluation reports: loss and token accuracy over the samples' target tokens;
+    exact match (``acc``) and its buckets over ``questions`` when given (retrieval: then also by
+    distance), else over the samples. Samples without a target token count in nothing."""
+    scored = [s for s in samples if s.targets > 0]
+    units = scored if questions is None else questions
     table = score_table(scored)
     out = {
         "loss": table["loss"],
         "ppl": math.exp(min(20.0, table["loss"])) if math.isfinite(table["loss"]) else float("nan"),
-        "acc": table["acc"],
+        "acc": score_table(units)["acc"],
         "token_acc": table["token_acc"],
         "samples": len(scored),
         "target_tokens": sum(s.targets for s in scored),
-        "tokens": sum(s.length for s in scores),
-        "acc_by_length": bucketed(scored, lambda s: s.length),
+        "tokens": sum(s.length for s in samples),
+        "acc_by_length": bucketed(units, lambda s: s.length),
     }
-    if retrieval:
-        out["acc_by_distance"] = bucketed(scored, lambda s: s.distance)
+    if questions is not None:
+        out["questions"] = len(questions)
+        out["acc_by_distance"] = bucketed(questions, lambda s: s.distance)
     return out
 
 
@@ -159,14 +186,14 @@ def validation_lines(row: dict, retrieval: bool) -> str:
     acc_name = "retrieval acc" if retrieval else "exact-match acc"
     text = (f" validation loss at iteration {row['iteration']} | lm loss value: {row['loss']:.6E} |"
             f" lm loss PPL: {row['ppl']:.6E} | {acc_name}: {row['acc']:.4f} | token acc: {row['token_acc']:.4f} |"
-            f" samples: {row['samples']} |"
+            f" samples: {row['samples']} |" + (f" questions: {row['questions']} |" if "questions" in row else "")
             + (f" coverage at k={row['budget']}: {row['mean_coverage']:.3f} |" if row["mean_coverage"] is not None
                else ""))
     rule = "-" * (len(text) + 1)
     parts = [rule, text]
     for group, name in (("acc_by_length", "by length"), ("acc_by_distance", "by distance")):
         if group in row:
-            cells = " | ".join(f"{label}: {c['acc']:.3f} (n={c['samples']})" for label, c in row[group].items())
+            cells = " | ".join(f"{label}: {c['acc']:.3f} (n={c['n']})" for label, c in row[group].items())
             parts.append(f" {acc_name} {name}: {cells}")
     parts.append(rule)
     return "\n".join(parts)
@@ -242,8 +269,8 @@ class Evaluator:
     def run(self, iteration: int, consumed_samples: int) -> dict:
         """Evaluate, log, and return the row (the same on every rank)."""
         t0 = time.perf_counter()
-        scores, coverage = self.evaluate()
-        row = {"iteration": iteration, "consumed_samples": consumed_samples, **summarize(scores, self.retrieval),
+        samples, questions, coverage = self.evaluate()
+        row = {"iteration": iteration, "consumed_samples": consumed_samples, **summarize(samples, questions),
                "budget": self.cfg.sparse.moba_topk if self.cfg.sparse.sparse_attention else None,
                "mean_coverage": coverage, "eval_ms": (time.perf_counter() - t0) * 1e3}
         self._evaluated = iteration
@@ -251,12 +278,12 @@ class Evaluator:
         self._log(row)
         return row
 
-    def evaluate(self) -> tuple[list, Optional[float]]:
-        """Every validation sample's :class:`SampleScore` (gathered on every rank), and the mean
-        coverage ``C(k)`` the sparse layers kept (None when dense)."""
+    def evaluate(self) -> tuple[list, Optional[list], Optional[float]]:
+        """The :class:`Score` of every validation sample and (retrieval, else None) of every question,
+        gathered on every rank, and the mean coverage ``C(k)`` the sparse layers kept (None when dense)."""
         model, device = self.trainer.model, self.trainer.device
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-        mine, coverage = [], []
+        my_samples, my_questions, coverage = [], [], []
         model.eval()
         try:
             with torch.no_grad():
@@ -268,24 +295,18 @@ class Evaluator:
                         forward_step_func=eval_forward_step, data_iterator=iter([b.to(device) for b in batches]),
                         model=[model], num_microbatches=len(batches), plan=pipeline, forward_only=True)
                     for batch, report in zip(batches, reports):  # reports: the last stage only
-                        mine += self._scores(batch, report["per_sample"].cpu())
+                        samples, questions = pack_scores(batch, report["per_token"].cpu(), self.retrieval)
+                        my_samples += samples
+                        my_questions += questions
                     coverage += pipeline.measured.coverage
         finally:
             model.train()
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        scores = [s for rank_scores in gathered for s in rank_scores]
+        dist.all_gather_object(gathered, (my_samples, my_questions))
+        samples = [s for rank_samples, _ in gathered for s in rank_samples]
+        questions = [q for _, rank_questions in gathered for q in rank_questions] if self.retrieval else None
         sparse = self.cfg.sparse.sparse_attention and coverage
-        return scores, sum(coverage) / len(coverage) if sparse else None
-
-    def _scores(self, batch: PackedBatch, per_sample: torch.Tensor) -> list:
-        cu = batch.cu_seqlens.tolist()
-        out = []
-        for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
-            distance = retrieval_distance(batch.tokens[0, lo:hi]) if self.retrieval else None
-            loss_sum, targets, correct = per_sample[:, i].tolist()
-            out.append(SampleScore(hi - lo, distance, loss_sum, round(targets), round(correct)))
-        return out
+        return samples, questions, sum(coverage) / len(coverage) if sparse else None
 
     # ---- logging ----
 
