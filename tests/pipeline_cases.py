@@ -165,3 +165,32 @@ def trainer_benchmark(out_dir):
     main(["--pp", "2", "--model", "tiny", "--seq-length", "1024", "--micro-batches", "3", "--iters", "2", "--warmup", "1",
           "--moba-block-size", "64", "--moba-topk", "4", "--sparse-attn-impl", "torch", "--anchors", "none", "mean",
           "--check-megatron", "--out", out_dir])
+
+
+# --- the balance figures themselves, from spans whose answer is known ---
+
+def metrics_from_known_spans():
+    """Two stages x one DP rank, three micro-batches of forward+backward; figures computed by hand.
+
+    Stage 0 computes 2+4, 2+4, 2+4 ms (F+B of mbs 0, 1, 2); stage 1 computes 1+2, 5+10, 1+2 ms.
+    Micro-batch times summed over stages: 9, 21, 9 ms, so imbalance = 21 / 13. The iteration ends at
+    40 ms; stage 0 is busy 18 ms (bubble 1 - 18/40), stage 1 is busy 21 ms (bubble 1 - 21/40).
+    """
+    from megatron_sparsebalance.pipeline.timeline import Span, StageRecord, gather_iteration_metrics
+
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    if rank == 0:
+        spans = [Span(0, "F", 0, 2), Span(1, "F", 2, 4), Span(2, "F", 4, 6),
+                 Span(0, "B", 10, 14), Span(1, "B", 26, 30), Span(2, "B", 34, 38)]
+    else:
+        spans = [Span(0, "F", 2, 3), Span(0, "B", 3, 5), Span(1, "F", 5, 10),
+                 Span(1, "B", 10, 20), Span(2, "F", 20, 21), Span(2, "B", 38, 40)]
+    record = StageRecord(pp_rank=rank, dp_rank=0, spans=spans, budgets={0: 4.0, 1: 2.0, 2: 4.0},
+                         coverage={0: 1.0, 1: 0.5, 2: 1.0}, predicted_ms={0: 3.0 * (rank + 1), 1: 6.0, 2: 3.0})
+    m = gather_iteration_metrics(record, 3)
+    assert m.micro_batch_ms == [9.0, 21.0, 9.0]
+    assert abs(m.imbalance - 21.0 / 13.0) < 1e-12
+    assert m.iteration_ms == 40.0
+    assert [round(b, 12) for b in m.bubble] == [round(1 - 18 / 40, 12), round(1 - 21 / 40, 12)]
+    assert m.budgets == [4.0, 2.0, 4.0] and m.coverage == [1.0, 0.5, 1.0]
+    assert m.predicted_ms == [9.0, 12.0, 6.0]

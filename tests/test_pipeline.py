@@ -30,6 +30,11 @@ def test_no_deadlock_at_the_edges(tmp_path, lengths):
     run_case(tmp_path, [lengths], pp=4, budget=None)
 
 
+def test_imbalance_and_bubble_from_known_spans():
+    """The balance figures the benchmarks report, against values computed by hand."""
+    run_workers(pipeline_cases.metrics_from_known_spans, world=2, pp=2)
+
+
 def test_equals_megatron_core_1f1b():
     """megatron-core's own schedule is the oracle: same losses, same gradients."""
     run_workers(pipeline_cases.megatron_oracle, world=2, pp=2, args=([[130, 64], [448], [64, 64, 200]], 3))
