@@ -14,6 +14,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def gloo_world_of_one():
+    """torch.distributed and megatron's parallel state for one CPU process (gloo), per test module."""
+    from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
+    from megatron_sparsebalance.training.dist import destroy_distributed, init_distributed
+
+    enable_cpu_megatron()
+    init_distributed(backend="gloo")
+    yield
+    destroy_distributed()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

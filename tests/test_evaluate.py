@@ -185,17 +185,6 @@ def test_eval_needs_validation_data(tmp_path):
 # ---- the last stage: the eval forward step against independent computations -------------------
 
 
-@pytest.fixture(scope="module")
-def gloo_world_of_one():
-    from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
-    from megatron_sparsebalance.training.dist import destroy_distributed, init_distributed
-
-    enable_cpu_megatron()
-    init_distributed(backend="gloo")
-    yield
-    destroy_distributed()
-
-
 def _model_and_batch(vocab):
     from megatron_sparsebalance.attention import SparseAttentionConfig
     from megatron_sparsebalance.training.model import MODEL_PRESETS, build_gpt_model, transformer_config

@@ -7,17 +7,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron_sparsebalance.attention import SparseAttentionConfig, SparseCoreAttention, budget_scope, get_gpt_layer_spec
 from megatron_sparsebalance.data.synthetic import copy_task_batch
 from megatron_sparsebalance.ops.naive import dense_causal_attention
-from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
-from megatron_sparsebalance.training.dist import destroy_distributed, init_distributed
 from megatron_sparsebalance.training.model import MODEL_PRESETS, build_gpt_model, transformer_config
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gloo_world_of_one():
-    enable_cpu_megatron()
-    init_distributed(backend="gloo")
-    yield
-    destroy_distributed()
+pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
 
 
 def core_attention(**sparse):

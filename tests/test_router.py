@@ -8,7 +8,6 @@ from megatron_sparsebalance.ops import native
 from megatron_sparsebalance.ops.layout import BlockLayout
 from megatron_sparsebalance.ops.router import (
     block_scores,
-    candidate_mask,
     coverage_bounded_budget,
     coverage_curve,
     select_blocks,
@@ -138,9 +137,9 @@ def test_coverage_bound():
     assert coverage_bounded_budget(curve, 9, 6, 0.0) == 9  # growth is never bounded
 
 
-def test_candidate_mask_is_strictly_earlier_same_sequence():
+def test_candidates_are_strictly_earlier_same_sequence():
     lay = layout([130, 64])
-    m = candidate_mask(lay)
+    m = lay.candidates
     assert m.tolist() == [
         [False, False, False, False],
         [True, False, False, False],

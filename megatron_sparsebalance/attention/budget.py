@@ -41,10 +41,12 @@ class BudgetReport:
     layers: list = field(default_factory=list)
 
     def mean_budget(self) -> float:
-        return sum(r.stats.k_used for r in self.layers) / max(1, len(self.layers))
+        """Mean budget over the layers (0 without layers); reads the device, see :func:`read_reports`."""
+        return read_reports({0: self})[0].get(0, 0.0)
 
     def mean_coverage(self) -> float:
-        return sum(r.stats.coverage_used for r in self.layers) / max(1, len(self.layers))
+        """Mean ``C(k_used)`` over the layers (0 without layers); reads the device."""
+        return read_reports({0: self})[1].get(0, 0.0)
 
 
 def read_reports(reports: dict) -> tuple[dict, dict]:

@@ -72,11 +72,6 @@ def pool_blocks(x: torch.Tensor, layout: BlockLayout, num_groups: int) -> torch.
     return pooled.view(layout.num_blocks, num_groups, H // num_groups, D).mean(2)
 
 
-def candidate_mask(layout: BlockLayout) -> torch.Tensor:
-    """``[NB, NB]`` bool: block ``j`` is a routing candidate of query block ``i`` (earlier, same sequence)."""
-    return layout.candidates
-
-
 def block_scores(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """Router scores ``s(i, j) = pooled_q(i, g) . pooled_k(j, g) / sqrt(D)``.
 
