@@ -1,7 +1,7 @@
 """Block-sparse causal attention through the CUDA C++ kernels of ``megatron_sparsebalance._C``.
 
-Owns the Python face of ``csrc/cuda/attention.cu``: ``torch.library`` ops (with fake
-implementations, so ``torch.compile`` traces them) and their autograd rule. Same contract as
+Owns the Python face of ``csrc/cuda/attention.cu``: its forward and backward, registered as
+``torch.library`` ops with an eager autograd path (``registration.py``). Same contract as
 every implementation (DESIGN.md §2). The backward has no atomics, so it is deterministic; its
 transposed (per-KV-block) index is built on the GPU without a host synchronisation.
 
@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from megatron_sparsebalance.ops import native
+from megatron_sparsebalance.ops.registration import register_attention
 from megatron_sparsebalance.ops.router import BlockRoute
 
 
@@ -43,56 +44,23 @@ def transpose_index_gpu(kv_idx: torch.Tensor, kv_cnt: torch.Tensor) -> tuple[tor
     return q_ptr, q_idx
 
 
-@torch.library.custom_op("sparsebalance::cuda_attn_fwd", mutates_args=())
-def cuda_attn_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_idx: torch.Tensor, kv_cnt: torch.Tensor,
-    block_start: torch.Tensor, block_end: torch.Tensor, softmax_scale: float, block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward: ``(out [T, HQ, D], lse [T, HQ] float32)``."""
-    out, lse = native.native().sparse_attn_fwd_cuda(
+def _forward(q, k, v, kv_idx, kv_cnt, block_start, block_end, softmax_scale: float, block_size: int):
+    """``(out [T, HQ, D], lse [T, HQ] float32)``."""
+    return native.native().sparse_attn_fwd_cuda(
         q, k, v, kv_idx, kv_cnt, block_start, block_end, softmax_scale, block_size)
-    return out, lse
 
 
-@cuda_attn_fwd.register_fake
-def _(q, k, v, kv_idx, kv_cnt, block_start, block_end, softmax_scale, block_size):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
-
-
-@torch.library.custom_op("sparsebalance::cuda_attn_bwd", mutates_args=())
-def cuda_attn_bwd(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, kv_idx: torch.Tensor, kv_cnt: torch.Tensor, block_start: torch.Tensor,
-    block_end: torch.Tensor, softmax_scale: float, block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward: ``(dq [T, HQ, D], dk [T, G, D], dv [T, G, D])``."""
+def _backward(do, q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end, softmax_scale: float, block_size: int):
+    """``(dq [T, HQ, D], dk [T, G, D], dv [T, G, D])``."""
     q_ptr, q_idx = transpose_index_gpu(kv_idx, kv_cnt)
-    dq, dk, dv = native.native().sparse_attn_bwd_cuda(
+    return native.native().sparse_attn_bwd_cuda(
         _aligned(do), q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end, q_ptr, q_idx,
         softmax_scale, block_size)
-    return dq, dk, dv
 
 
-@cuda_attn_bwd.register_fake
-def _(do, q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end, softmax_scale, block_size):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, kv_idx, kv_cnt, bstart, bend, scale, block_size = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend)
-    ctx.scale = scale
-    ctx.block_size = block_size
-
-
-def _backward_rule(ctx, dout, dlse):
-    q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend = ctx.saved_tensors
-    dq, dk, dv = cuda_attn_bwd(dout, q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend, ctx.scale, ctx.block_size)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-torch.library.register_autograd("sparsebalance::cuda_attn_fwd", _backward_rule, setup_context=_setup_context)
+# torch.library ops (traced by torch.compile) and the eager autograd path, see registration.py
+cuda_attention = register_attention("cuda", _forward, _backward)
+cuda_attn_fwd, cuda_attn_bwd = cuda_attention.forward_op, cuda_attention.backward_op
 
 
 def block_sparse_attention(
@@ -112,8 +80,7 @@ def block_sparse_attention(
     lay = route.layout
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    out, _ = cuda_attn_fwd(
+    return cuda_attention(
         _aligned(q), _aligned(k), _aligned(v), route.kv_idx.contiguous(), route.kv_cnt.contiguous(),
         lay.block_start, lay.block_end, float(softmax_scale), int(lay.block_size),
     )
-    return out

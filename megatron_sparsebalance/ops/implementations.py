@@ -13,6 +13,7 @@ error that says why, never a silent fallback.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Callable, Optional
 
@@ -49,7 +50,15 @@ def unavailable_reason(impl: str, device: torch.device) -> Optional[str]:
 
 
 def resolve_impl(impl: str, device) -> str:
-    """The implementation that runs for the requested ``--sparse-attn-impl`` on ``device``."""
+    """The implementation that runs for the requested ``--sparse-attn-impl`` on ``device``.
+
+    Every attention layer asks, on every micro-batch: the answer is cached per (impl, device).
+    """
+    return _resolve_impl(impl, torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_impl(impl: str, device: torch.device) -> str:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"--sparse-attn-impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
     if impl == "auto":

@@ -33,6 +33,8 @@ class BlockLayout:
         token_block: ``[T]`` int64, block of each token.
         num_blocks: NB.
         max_blocks_per_seq: the largest number of blocks of one sequence.
+        rows_with_candidates: blocks that have an earlier block in their sequence (the router's
+            rows with at least one candidate), known on the host.
     """
 
     cu_seqlens: torch.Tensor
@@ -45,6 +47,7 @@ class BlockLayout:
     token_block: torch.Tensor
     num_blocks: int
     max_blocks_per_seq: int
+    rows_with_candidates: int
 
     @functools.cached_property
     def candidates(self) -> torch.Tensor:
@@ -120,6 +123,7 @@ class BlockLayout:
             token_block=token_block,
             num_blocks=num_blocks,
             max_blocks_per_seq=int(blocks_per_seq.max()) if blocks_per_seq.numel() else 0,
+            rows_with_candidates=num_blocks - int((blocks_per_seq > 0).sum()),
         )
 
 

@@ -8,6 +8,7 @@ Shape legend: T tokens, HQ query heads, G KV-head groups, D head dim, N sequence
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -15,7 +16,7 @@ from typing import Optional, Union
 import torch
 
 from megatron_sparsebalance.ops import native
-from megatron_sparsebalance.ops.implementations import attention_function, resolve_impl
+from megatron_sparsebalance.ops.implementations import attention_function, resolve_impl, unavailable_reason
 from megatron_sparsebalance.ops.layout import BlockLayout
 from megatron_sparsebalance.ops.router import (
     BlockRoute,
@@ -104,7 +105,8 @@ def route(
 
     Nothing here waits for the device: under the coverage bound the budget is chosen on the
     device, and the selection is made ``k_base`` wide (the bound never goes above it) with each
-    row's count set by the chosen budget.
+    row's count set by the chosen budget. On a GPU with Triton the router runs as a handful of
+    launches (``triton_router.py``); elsewhere as the torch reference.
 
     Args:
         q: ``[T, HQ, D]``; k: ``[T, G, D]``.
@@ -114,22 +116,49 @@ def route(
     """
     if int(budget) < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
-    scores = block_scores(q, k, layout)
     k_request = int(budget)
-    k_used: Union[int, torch.Tensor] = k_request
-    width = k_request
-    curve = None
     bounded = p is not None and k_base is not None and k_request < k_base
-    if bounded or track_coverage:
-        curve = coverage_curve(scores, max(k_request, k_base or 1))
-    if bounded:
-        k_used = coverage_bounded_budget(curve, k_request, int(k_base), p)
-        width = int(k_base)
+    curve_len = max(k_request, k_base or 1) if (bounded or track_coverage) else 0
+    routed = _route_triton if _triton_router(q.device) else _route_torch
+    blocks, curve, k_used = routed(q, k, layout, k_request, int(k_base or 0), p if bounded else None, curve_len)
     coverage = None
     if curve is not None:
         coverage = torch.stack([_curve_at(curve, k_used), _curve_at(curve, k_base or k_request)])
     stats = RouteStats(k_request, k_used, coverage, bool(k_base) and curve is not None)
-    return select(scores, layout, k_used, width), stats
+    return blocks, stats
+
+
+def _route_torch(q, k, layout, k_request, k_base, p, curve_len):
+    """``(route, curve or None, k_used)`` with the torch router; ``p`` set means the bound applies."""
+    scores = block_scores(q, k, layout)
+    curve = coverage_curve(scores, curve_len) if curve_len else None
+    if p is None:
+        return select(scores, layout, k_request, k_request), curve, k_request
+    k_used = coverage_bounded_budget(curve, k_request, k_base, p)
+    return select(scores, layout, k_used, k_base), curve, k_used
+
+
+def _route_triton(q, k, layout, k_request, k_base, p, curve_len):
+    """As :func:`_route_torch`, with the GPU router: pooling, one GEMM, one selection launch
+    (two under the coverage bound: the curve must exist before the budget is chosen)."""
+    from megatron_sparsebalance.ops import triton_router
+
+    dots = triton_router.pooled_dots(q, k, layout)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if p is None:
+        kv_idx, kv_cnt, curve = triton_router.select_and_cover(
+            dots, layout, scale, budget=k_request, width=k_request, curve_len=curve_len)
+        return BlockRoute(layout, kv_idx, kv_cnt, k_request), curve, k_request
+    _, _, curve = triton_router.select_and_cover(dots, layout, scale, curve_len=curve_len)
+    k_used = coverage_bounded_budget(curve, k_request, k_base, p)
+    kv_idx, kv_cnt, _ = triton_router.select_and_cover(dots, layout, scale, budget=k_used, width=k_base)
+    return BlockRoute(layout, kv_idx, kv_cnt, k_used), curve, k_used
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_router(device: torch.device) -> bool:
+    """Whether the GPU router runs for tensors on ``device`` (asked once per device: it is per layer)."""
+    return unavailable_reason("triton", device) is None
 
 
 def sparse_attention(

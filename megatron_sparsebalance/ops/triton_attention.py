@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from megatron_sparsebalance.ops.cuda_attention import transpose_index_gpu  # noqa: F401  (shared, torch only)
+from megatron_sparsebalance.ops.registration import register_attention
 from megatron_sparsebalance.ops.router import BlockRoute
 
 LOG2E = 1.4426950408889634
@@ -327,54 +328,13 @@ def _backward(do, q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend, scale: float,
     return dq, dk, dv
 
 
-# --- torch.library registration: traceable by torch.compile, differentiable by autograd ---
-
-@torch.library.custom_op("sparsebalance::triton_attn_fwd", mutates_args=())
-def triton_attn_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_idx: torch.Tensor, kv_cnt: torch.Tensor,
-    block_start: torch.Tensor, block_end: torch.Tensor, softmax_scale: float, block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward: ``(out [T, HQ, D], lse [T, HQ] float32, base 2 of scaled scores)``."""
-    return _forward(q, k, v, kv_idx, kv_cnt, block_start, block_end, softmax_scale, block_size)
+def _backward_contiguous(do, *rest):
+    return _backward(do.contiguous(), *rest)
 
 
-@triton_attn_fwd.register_fake
-def _(q, k, v, kv_idx, kv_cnt, block_start, block_end, softmax_scale, block_size):
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
-
-
-@torch.library.custom_op("sparsebalance::triton_attn_bwd", mutates_args=())
-def triton_attn_bwd(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, kv_idx: torch.Tensor, kv_cnt: torch.Tensor, block_start: torch.Tensor,
-    block_end: torch.Tensor, softmax_scale: float, block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward: ``(dq [T, HQ, D], dk [T, G, D], dv [T, G, D])``."""
-    return _backward(do.contiguous(), q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end,
-                     softmax_scale, block_size)
-
-
-@triton_attn_bwd.register_fake
-def _(do, q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end, softmax_scale, block_size):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, kv_idx, kv_cnt, bstart, bend, scale, block_size = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend)
-    ctx.scale = scale
-    ctx.block_size = block_size
-
-
-def _backward_rule(ctx, dout, dlse):
-    q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend = ctx.saved_tensors
-    dq, dk, dv = triton_attn_bwd(dout, q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend,
-                                 ctx.scale, ctx.block_size)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-torch.library.register_autograd("sparsebalance::triton_attn_fwd", _backward_rule, setup_context=_setup_context)
+# torch.library ops (traced by torch.compile) and the eager autograd path, see registration.py
+triton_attention = register_attention("triton", _forward, _backward_contiguous)
+triton_attn_fwd, triton_attn_bwd = triton_attention.forward_op, triton_attention.backward_op
 
 
 def block_sparse_attention(
@@ -393,8 +353,7 @@ def block_sparse_attention(
     _check(q, k, v, lay.block_size)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    out, _ = triton_attn_fwd(
+    return triton_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), route.kv_idx.contiguous(), route.kv_cnt.contiguous(),
         lay.block_start, lay.block_end, float(softmax_scale), int(lay.block_size),
     )
-    return out

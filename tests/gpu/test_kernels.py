@@ -178,3 +178,66 @@ def test_triton_router_matches_torch_router():
         b = select_blocks(got, lay, 9)
         assert torch.equal(a.kv_cnt, b.kv_cnt)
         assert (a.kv_idx != b.kv_idx).float().mean().item() < 1e-3  # only near-ties may flip
+
+
+def test_gpu_router_selection_and_coverage_equal_torch_router_on_the_same_scores():
+    """One launch of ``select_and_cover`` against ``select_blocks`` + ``coverage_curve``: same
+    selection bit for bit (ties to the lower block: the rounded scores are full of ties)."""
+    from megatron_sparsebalance.ops.router import coverage_curve
+    from megatron_sparsebalance.ops.triton_router import pooled_dots, select_and_cover
+
+    _impl("triton")
+    for lens, block in (([5000, 300, 1025, 7], 64), ([9000], 128), ([3000, 3000], 256)):
+        q, k, _, route = _pack(lens, 14, 2, 64, torch.bfloat16, block, 3)
+        lay = route.layout
+        dots = pooled_dots(q.detach(), k.detach(), lay)
+        for d in (dots, dots.mul(8).round()):
+            scores = torch.where(lay.candidates, d * 0.125, float("-inf"))
+            for budget in (1, 3, 17, 64):
+                n = max(budget, 32)
+                kv, cnt, curve = select_and_cover(d, lay, 0.125, budget=budget, width=budget, curve_len=n)
+                ref = select_blocks(scores, lay, budget)
+                assert torch.equal(kv, ref.kv_idx) and torch.equal(cnt, ref.kv_cnt), (lens, budget)
+                assert torch.allclose(curve, coverage_curve(scores, n), atol=1e-5), (lens, budget)
+            per_seq = torch.tensor([2, 9, 1, 5][: len(lens)], device="cuda")
+            kv, cnt, _ = select_and_cover(d, lay, 0.125, budget=per_seq, width=9)
+            ref = select_blocks(scores, lay, per_seq.cpu(), 9)
+            assert torch.equal(kv, ref.kv_idx) and torch.equal(cnt, ref.kv_cnt), lens
+
+
+@pytest.mark.parametrize("k_base,p", [(None, None), (32, 0.1), (32, 0.0), (32, 1.0)])
+def test_route_on_gpu_matches_the_torch_router(k_base, p):
+    """``route`` on a GPU (Triton router) against the torch router on the same q, k: the same
+    budget under the coverage bound, the same coverage, the same selection up to near-ties (the
+    two pool in a different fp32 summation order)."""
+    from megatron_sparsebalance.ops.sparse_attention import _route_torch, route
+
+    _impl("triton")
+    q, k, _, rt = _pack([6000, 2000, 100], 14, 2, 64, torch.bfloat16, 128, 3)
+    for budget in (4, 16, 48):
+        got, stats = route(q.detach(), k.detach(), rt.layout, budget, k_base=k_base, p=p)
+        bounded = p is not None and budget < k_base
+        ref, curve, k_used = _route_torch(q.detach(), k.detach(), rt.layout, budget, k_base or 0,
+                                          p if bounded else None, max(budget, k_base or 1))
+        assert stats.k_used == int(k_used)
+        assert got.kv_idx.shape == ref.kv_idx.shape
+        assert (got.kv_idx != ref.kv_idx).float().mean().item() < 1e-3
+        assert abs(stats.coverage_used - float(curve[int(k_used) - 1])) < 1e-4
+
+
+def test_eager_path_equals_the_registered_op():
+    """Outside tracing the attention skips the custom op's dispatch; it must compute the same."""
+    from megatron_sparsebalance.ops import triton_attention as ta
+
+    _impl("triton")
+    q, k, v, route = _pack([1500, 700], 14, 2, 64, torch.bfloat16, 128, 5)
+    lay = route.layout
+    args = (route.kv_idx, route.kv_cnt, lay.block_start, lay.block_end, 0.125, 128)
+    go = torch.randn_like(q)
+    eager = ta.triton_attention(q, k, v, *args)
+    op, _ = ta.triton_attn_fwd(q, k, v, *args)
+    assert torch.equal(eager, op)
+    for a, b in zip(torch.autograd.grad(eager, (q, k, v), go), torch.autograd.grad(op, (q, k, v), go)):
+        assert torch.equal(a, b)
+    compiled = torch.compile(lambda q, k, v: ta.triton_attention(q, k, v, *args).float().square().sum(), fullgraph=True)
+    assert torch.allclose(compiled(q, k, v), eager.float().square().sum(), rtol=1e-5)
