@@ -8,12 +8,11 @@ the torch router.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.checks import run_interpreted
 
 SCRIPT = textwrap.dedent(
     """
@@ -99,23 +98,12 @@ ROUTER_SCRIPT = textwrap.dedent(
 )
 
 
-def _run_interpreted(script: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    try:
-        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        pytest.skip("triton's interpreter is too slow here")
-    if proc.returncode != 0 and "interpret" in proc.stderr.lower() and "not supported" in proc.stderr.lower():
-        pytest.skip(f"triton's interpreter cannot run here: {proc.stderr[-300:]}")
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_under_interpreter():
-    _run_interpreted(SCRIPT)
+    run_interpreted(SCRIPT)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_router_selection_and_coverage_under_interpreter():
     """The GPU router's one-launch selection and coverage equal the torch router's, ties included."""
-    _run_interpreted(ROUTER_SCRIPT)
+    run_interpreted(ROUTER_SCRIPT)

@@ -24,9 +24,10 @@ def thd_params(cu_seqlens: torch.Tensor, host_cu_seqlens: torch.Tensor) -> Packe
     attention layer, from ``cu_seqlens_q_padded`` when it is set. With no padding the padded
     offsets equal the real ones, so handing their host copy there makes RoPE stop the host zero
     times instead of four per layer (q and k, lengths and a size check). The core attention keeps
-    the device tensor (``cu_seqlens_q``) and takes the host copy for its block layout. Megatron's
-    fused RoPE (Transformer Engine, ``apply_rope_fusion``) wants device offsets; the models built
-    here leave it off.
+    the device tensor (``cu_seqlens_q``) and takes the host copy for its block layout. On CUDA the
+    models built here run megatron's fused-RoPE hook with our Triton kernels
+    (``ops/triton_rope.py``), which take the host offsets too: they send the pack's positions to
+    the device once per micro-batch, without waiting.
     """
     lengths = (host_cu_seqlens[1:] - host_cu_seqlens[:-1]).tolist()
     return PackedSeqParams(

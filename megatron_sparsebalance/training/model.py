@@ -12,6 +12,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
 from megatron_sparsebalance.attention.spec import get_gpt_layer_spec
 
+try:
+    from megatron_sparsebalance.ops.triton_rope import install_fused_rope
+except ImportError:  # no Triton: megatron's unfused RoPE
+    install_fused_rope = None
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -51,6 +56,10 @@ def transformer_config(
 ) -> TransformerConfig:
     """megatron-core's config of a Qwen2-style GPT; ``first/last_stage_layers`` make the pipeline uneven."""
     dtype = torch.bfloat16 if bf16 else torch.float32
+    # Megatron's unfused THD RoPE costs ~110 launches per call (q and k of every layer) and our
+    # machines have no Transformer Engine for its fused hook: on CUDA the hook runs our Triton
+    # kernels (ops/triton_rope.py). CPU runs, and machines with TE, keep what megatron does.
+    rope_fusion = install_fused_rope is not None and install_fused_rope()
     return TransformerConfig(
         num_layers=num_layers or shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -75,6 +84,7 @@ def transformer_config(
         tensor_model_parallel_size=tensor_parallel_size,
         use_cpu_initialization=not torch.cuda.is_available(),
         init_method_std=0.02,
+        apply_rope_fusion=rope_fusion,
     )
 
 

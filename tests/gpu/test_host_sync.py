@@ -8,6 +8,8 @@ to raise on any synchronising call.
 import pytest
 import torch
 
+from tests.checks import run_without_sync
+
 pytestmark = pytest.mark.gpu
 
 
@@ -20,24 +22,13 @@ def stage():
     return StageProfiler("fidelity-small", 2, block_size=64, impl="triton", max_length=4096)
 
 
-def _no_sync(step) -> None:
-    step()  # warm-up: Triton compiles, the allocator grows, megatron builds its RoPE table
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-
-
 @pytest.mark.parametrize("lengths", [[2048], [1000, 64, 1500], [4096]])
 def test_fixed_budget_step_has_no_host_sync(stage, lengths):
-    _no_sync(stage.stage_step(lengths, 4))
+    run_without_sync(stage.stage_step(lengths, 4))
 
 
 def test_coverage_bounded_shrink_has_no_host_sync(stage):
-    _no_sync(stage.stage_step([3000, 1000], 2, k_base=16, p=0.05))
+    run_without_sync(stage.stage_step([3000, 1000], 2, k_base=16, p=0.05))
 
 
 def test_sync_debug_mode_catches_a_sync():
