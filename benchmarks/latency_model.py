@@ -210,6 +210,9 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--max-budget", type=int, default=64)
     p.add_argument("--heldout-iters", type=int, default=3)
+    p.add_argument("--min-time-s", type=float, default=0.3,
+                   help="time every grid point and held-out micro-batch past its iterations until this many "
+                        "seconds are measured (tools/profile_latency.py --min-time-s)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop measuring held-out micro-batches after this many seconds of the whole run")
     p.add_argument("--profile-time-budget-s", type=float, default=None,
@@ -242,7 +245,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"no usable attention implementation among {args.sparse_attn_impl}: {skipped}")
     max_len = max(args.max_tokens, max(args.lengths))
     profiler = tool.StageProfiler(args.model, args.layers_per_stage, block_size=args.moba_block_size,
-                                  impl=impl, max_length=max_len)
+                                  impl=impl, max_length=max_len, min_time_s=args.min_time_s)
     gpu = device_name() if device.type == "cuda" else "cpu"
     tag = args.tag or ("h200" if "H200" in gpu else gpu.lower().replace(" ", "_"))
     os.makedirs(args.out_dir, exist_ok=True)
@@ -285,6 +288,7 @@ def main(argv=None) -> dict:
         "grid": {"lengths": table.lengths, "budgets": table.budgets, "warmup": args.warmup, "iters": args.iters},
         "heldout": {"tokens": [args.min_tokens, args.max_tokens], "budgets": [1, args.max_budget],
                     "iters": args.heldout_iters, "seed": args.seed},
+        "min_time_s": args.min_time_s,
         "seconds": {"profile": round(t_profiled - t_start, 1), "total": round(time.perf_counter() - t_start, 1)},
         "command": "python -m benchmarks.latency_model " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

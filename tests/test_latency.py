@@ -278,7 +278,7 @@ def test_cpu_profile_round_trip(tmp_path, capsys, own_process_group):
     out = str(tmp_path / "tiny.json")
     model = tool.main(["--model", "tiny", "--layers-per-stage", "2", "--moba-block-size", "64",
                        "--lengths", "128", "384", "--budgets", "1", "4", "--warmup", "1", "--iters", "1",
-                       "--out", out])
+                       "--min-time-s", "0", "--out", out])
     printed = capsys.readouterr().out
     assert "[  4/4]" in printed and "wrote" in printed  # progress per point
     meta = model.metadata
@@ -294,3 +294,28 @@ def test_cpu_profile_round_trip(tmp_path, capsys, own_process_group):
     assert back.predict([384], 4) >= back.predict([128], 1)
     with pytest.raises(ValueError, match="layers_per_stage"):
         ProfiledLatencyModel.load(out, expect=dict(meta, layers_per_stage=6))
+
+
+def test_timing_runs_past_iters_until_min_time_and_stops_at_the_cap():
+    """Short packs jitter: a point is timed until ``min_time_s`` is measured, never past the cap."""
+    import torch
+
+    tool = _load_tool()
+    profiler = tool.StageProfiler.__new__(tool.StageProfiler)  # _timed needs only device and min_time_s
+    profiler.device = torch.device("cpu")
+    calls = []
+
+    def step(seconds):
+        calls.append(1)
+        time.sleep(seconds)
+
+    for min_time_s, seconds, expect in ((0.0, 0.002, 3), (0.03, 0.002, None), (100.0, 0.0, tool.MAX_TIMED_ITERS)):
+        profiler.min_time_s = min_time_s
+        calls.clear()
+        ms = profiler._timed(lambda: step(seconds), warmup=1, iters=3)
+        timed = len(calls) - 1
+        if expect is not None:
+            assert timed == expect
+        else:  # 30 ms at ~2 ms a call: well past the 3 iterations, well under the cap
+            assert 8 <= timed < tool.MAX_TIMED_ITERS
+        assert ms >= seconds * 1e3

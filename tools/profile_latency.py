@@ -53,6 +53,8 @@ Points where the budget exceeds the blocks of the sequence (k >= L/B) are all th
 computation: the tool measures one of them and copies it, which saves most of the short rows.
 """
 
+MAX_TIMED_ITERS = 50  # per point, whatever --min-time-s asks
+
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DEFAULT_BUDGETS = (1, 4, 8, 16, 24, 32, 48, 64)
 
@@ -67,6 +69,9 @@ class StageProfiler:
         pre_process / post_process: the stage holds the embedding / the output layer and loss.
         bf16: run in bfloat16 (the GPU default) instead of float32.
         max_length: the longest pack to be timed (sizes the RoPE table).
+        min_time_s: keep timing a point past ``iters`` until this much time is measured (at most
+            :data:`MAX_TIMED_ITERS` iterations). A short pack is host-bound and its time jitters
+            by 10-25% from one step to the next; more samples steady its median at little cost.
     """
 
     def __init__(
@@ -81,7 +86,9 @@ class StageProfiler:
         max_length: int = 65536,
         device: Optional[str] = None,
         seed: int = 1234,
+        min_time_s: float = 0.0,
     ):
+        self.min_time_s = min_time_s
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.bf16 = (self.device.type == "cuda") if bf16 is None else bf16
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
@@ -114,7 +121,8 @@ class StageProfiler:
             torch.cuda.synchronize(self.device)
 
     def _timed(self, step, warmup: int, iters: int) -> float:
-        """Median ms of ``step()`` after ``warmup`` untimed calls.
+        """Median ms of ``step()`` after ``warmup`` untimed calls: ``iters`` timed calls, more while
+        under ``min_time_s`` of measured time.
 
         The garbage collector is off while timing (``--manual-gc``'s setting in training): an
         automatic collection lands in a random call and adds tens of ms of host time to it.
@@ -124,7 +132,7 @@ class StageProfiler:
         self._sync()
         times = []
         with ManualGC(True, 0):
-            for _ in range(iters):
+            while len(times) < iters or (sum(times) < self.min_time_s * 1e3 and len(times) < MAX_TIMED_ITERS):
                 if self.device.type == "cuda":
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
@@ -281,7 +289,7 @@ def profile(
         common["candidates"] = candidates
     model = ProfiledLatencyModel(lengths, budgets, total, attention, B, **common)
     model.profile_info = {
-        "warmup": warmup, "iters": iters, "attention_fixed_ms_per_layer": attn_fixed,
+        "warmup": warmup, "iters": iters, "min_time_s": profiler.min_time_s, "attention_fixed_ms_per_layer": attn_fixed,
         "seconds": round(time.perf_counter() - t_start, 2), "torch": torch.__version__,
         "timer": "cuda_events" if profiler.device.type == "cuda" else "wall_clock",
         "dropped": None if dropped is None else dropped[1],
@@ -317,6 +325,9 @@ def parse_args(argv=None):
     p.add_argument("--candidates", type=int, nargs="+", default=None, help="DST's budget candidates stored with the table")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per point (Triton compile, allocator growth)")
     p.add_argument("--iters", type=int, default=5, help="timed iterations per point; the median is kept")
+    p.add_argument("--min-time-s", type=float, default=0.3,
+                   help="time a point longer than --iters until this many seconds are measured (at most "
+                        f"{MAX_TIMED_ITERS} iterations): short, host-bound packs jitter, more samples steady the median")
     p.add_argument("--fp32", action="store_true", help="profile in float32 (the default on a GPU is bfloat16)")
     p.add_argument("--out", required=True, help="where to write the JSON table")
     args = p.parse_args(argv)
@@ -340,7 +351,7 @@ def main(argv=None) -> ProfiledLatencyModel:
     profiler = StageProfiler(
         args.model, args.layers_per_stage, block_size=args.moba_block_size, impl=args.sparse_attn_impl,
         pre_process=args.stage in ("first", "only"), post_process=args.stage in ("last", "only"),
-        bf16=False if args.fp32 else None, max_length=max(args.lengths),
+        bf16=False if args.fp32 else None, max_length=max(args.lengths), min_time_s=args.min_time_s,
     )
     print(f"profiling {args.model}, {args.layers_per_stage} layers ({args.stage} stage), block {args.moba_block_size}, "
           f"attention {profiler.impl}, {profiler.dtype}, on {device_name() if profiler.device.type == 'cuda' else 'cpu'}: "
