@@ -136,19 +136,24 @@ def test_gather_path_equals_oracle(lengths, block, budget):
 
 
 def test_gather_path_cost_grows_with_budget():
-    """What makes DST meaningful on a CPU: fewer blocks, less time."""
+    """What makes DST meaningful on a CPU: fewer blocks, less time.
+
+    The best of several interleaved runs per budget: a busy CI machine preempts some runs, never
+    makes one faster than the work allows.
+    """
     import time
 
     from megatron_sparsebalance.ops.gather import sparse_attention_gather
 
     q, k, v, cu = pack([64 * 48], hq=4, g=2, d=32)
-    times = {}
-    for budget in (2, 24):
-        route = route_for(q, k, cu, 64, budget)
-        with torch.no_grad():
+    routes = {budget: route_for(q, k, cu, 64, budget) for budget in (2, 24)}
+    times = {budget: float("inf") for budget in routes}
+    with torch.no_grad():
+        for budget, route in routes.items():
             sparse_attention_gather(q, k, v, route, 0.2)
-            t0 = time.perf_counter()
-            for _ in range(3):
+        for _ in range(5):
+            for budget, route in routes.items():
+                t0 = time.perf_counter()
                 sparse_attention_gather(q, k, v, route, 0.2)
-        times[budget] = time.perf_counter() - t0
+                times[budget] = min(times[budget], time.perf_counter() - t0)
     assert times[2] * 3 < times[24], times
