@@ -273,3 +273,15 @@ def test_data_config_validation():
         DataConfig(mock_data=True, seq_length=1).validate()
     ds = build_dataset(DataConfig(mock_data=True, mock_length_distribution="fixed", mock_samples=4, seq_length=128))
     assert ds.lengths.tolist() == [128] * 4
+
+
+def test_powerlaw_lengths_start_at_the_shortest_sample_and_reach_seq_length():
+    """Pareto(1) from x_min to --seq-length: half the samples under 2 x_min, one in 16 over 16 x_min."""
+    lengths = sample_lengths("powerlaw", 40000, 8192, np.random.default_rng(3), min_length=200)
+    assert lengths.min() >= 200 and lengths.max() <= 8192
+    assert abs(np.mean(lengths < 400) - 0.5) < 0.02  # P(L > 2 x_min) = 1/2, less the truncation
+    assert abs(np.mean(lengths > 3200) - (200 / 3200 - 200 / 8192) / (1 - 200 / 8192)) < 0.01
+    assert lengths.max() > 7000  # the tail reaches --seq-length
+    # without a data minimum the short end is seq_length / 256, and it does not scale with it
+    short = sample_lengths("powerlaw", 20000, 65536, np.random.default_rng(4))
+    assert short.min() >= 256 and np.median(short) < 600
