@@ -119,7 +119,10 @@ def route(
     k_request = int(budget)
     bounded = p is not None and k_base is not None and k_request < k_base
     curve_len = max(k_request, k_base or 1) if (bounded or track_coverage) else 0
-    routed = _route_triton if _triton_router(q.device) else _route_torch
+    head_dim = q.shape[-1]
+    # the Triton pooling reads a head as one power-of-two vector; other head dims use the torch router
+    on_gpu = _triton_router(q.device) and head_dim & (head_dim - 1) == 0
+    routed = _route_triton if on_gpu else _route_torch
     blocks, curve, k_used = routed(q, k, layout, k_request, int(k_base or 0), p if bounded else None, curve_len)
     coverage = None
     if curve is not None:
