@@ -9,7 +9,9 @@ MoBA budget k for each S and routing random-but-structured q/k with the MoBA rou
 
 Reported per case: median ms of fwd+bwd (CUDA events, after warm-up), useful TFLOP/s
 (4 * kept_blocks * B^2 * d * 3.5, kept blocks counted per query head; the dense rows count the
-whole causal block triangle) and the peak memory the fwd+bwd allocates beyond its inputs.
+whole causal block triangle) and the peak memory the fwd+bwd allocates beyond its inputs. The
+forward alone is timed too (as training runs it: inputs requiring grad, so it saves what the
+backward needs); ``bwd_ms`` is fwd+bwd minus it, which tells a slow forward from a slow backward.
 
 Usage: ``python3 -m benchmarks.attention [--quick] [--tune] [--impls cuda,triton,flex,cudnn_dense,fa2_dense]``.
 Writes ``$OUT/attention_h200.json`` (or ``--out``) and prints a table.
@@ -129,36 +131,39 @@ def flex_block_mask(route, hq, S):
 
 
 def run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm):
-    """A closure doing one forward+backward of ``impl``."""
+    """Closures ``(forward, forward_backward)`` of ``impl``: the forward alone (its output and
+    what autograd saves are dropped on return) and one forward+backward."""
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d)
     if impl in ("cuda", "triton"):
         from megatron_sparsebalance.ops.implementations import attention_function
 
         fn = attention_function(impl)
+        inputs, grad_out = (q, k, v), go
 
-        def step():
-            out = fn(q, k, v, route, scale)
-            torch.autograd.grad(out, (q, k, v), go)
-        return step
-    # Flex and SDPA take [1, H, S, D]; they get their own contiguous copies (layout not timed).
-    qh, kh, vh, goh = (x.detach().transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v, go))
-    for x in (qh, kh, vh):
-        x.requires_grad_()
-    if impl == "flex":
-        def step():
-            out = flex_fn(qh, kh, vh, block_mask=bm, enable_gqa=True, scale=scale)
-            torch.autograd.grad(out, (qh, kh, vh), goh)
-        return step
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+        def forward():
+            return fn(q, k, v, route, scale)
+    else:
+        # Flex and SDPA take [1, H, S, D]; they get their own contiguous copies (layout not timed).
+        qh, kh, vh, goh = (x.detach().transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v, go))
+        for x in (qh, kh, vh):
+            x.requires_grad_()
+        inputs, grad_out = (qh, kh, vh), goh
+        if impl == "flex":
+            def forward():
+                return flex_fn(qh, kh, vh, block_mask=bm, enable_gqa=True, scale=scale)
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = SDPBackend.CUDNN_ATTENTION if impl == "cudnn_dense" else SDPBackend.FLASH_ATTENTION
+            backend = SDPBackend.CUDNN_ATTENTION if impl == "cudnn_dense" else SDPBackend.FLASH_ATTENTION
+
+            def forward():
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True, scale=scale)
 
     def step():
-        with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True, scale=scale)
-        torch.autograd.grad(out, (qh, kh, vh), goh)
-    return step
+        torch.autograd.grad(forward(), inputs, grad_out)
+    return forward, step
 
 
 def tune_triton(shape_names, S=32768, density=0.25):
@@ -269,12 +274,14 @@ def main(argv=None):
                     if impl == "flex":
                         bm = flex_block_mask(route, hq, S)
                 row = dict(impl=impl, shape=name, seq=S, density=density)
-                step = None
+                forward = step = None
                 if density < 1.0:
                     row.update(k=kk, kept_frac=kept_heads / (hq * nb * (nb + 1) / 2))
                 try:
-                    step = run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm)
+                    forward, step = run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm)
                     ms = cuda_time(step, iters=args.iters)
+                    fwd_ms = cuda_time(forward, iters=args.iters)
+                    row.update(fwd_ms=fwd_ms, bwd_ms=ms - fwd_ms)
                     mem = peak_extra_gib(step)
                     if impl == "flex" and "triton" in impls:  # same selection => same output
                         from megatron_sparsebalance.ops.triton_attention import block_sparse_attention
@@ -290,7 +297,7 @@ def main(argv=None):
                     row.update(ms=None, tflops=None, peak_mem_gib=None, error=f"{type(e).__name__}: {str(e)[:200]}")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                del step
+                del step, forward
             del q, k, v, go
             torch.cuda.empty_cache()
     result = dict(meta, rows=rows, router=router_rows)
@@ -320,6 +327,13 @@ def print_table(result):
             flex = got.get("flex", {}).get("ms")
             ratio = f"{flex / min(ours):5.2f}x" if ours and flex else "  -"
             print(f"{shape:14s} {S:6d} {dens:5.2f} | " + " | ".join(cells) + f" | {ratio}")
+    print("\nforward | backward ms (backward = fwd+bwd - fwd)")
+    for shape, S in keys:
+        for dens in sorted({r["density"] for r in rows if r["shape"] == shape and r["seq"] == S and r["density"] < 1.0}):
+            got = {r["impl"]: r for r in rows if r["shape"] == shape and r["seq"] == S and r["density"] == dens}
+            cells = [f"{i} {got[i]['fwd_ms']:.2f} | {got[i]['bwd_ms']:.2f}" for i in ("cuda", "triton", "flex")
+                     if got.get(i, {}).get("fwd_ms") is not None]
+            print(f"{shape:14s} {S:6d} {dens:5.2f}   " + "   ".join(cells))
     for r in result.get("router", []):
         best = min((x["ms"] for x in result["rows"] if x["shape"] == r["shape"] and x["seq"] == r["seq"]
                     and x["density"] == r["density"] and x["impl"] in ("cuda", "triton") and x.get("ms")), default=None)

@@ -16,7 +16,13 @@ layers, our sparse attention):
 * ``gpu_idle``: ``1 - kernel_ms / wall_ms``.
 
 Medians over ``--iters`` after ``--warmup``, with the garbage collector off while timing (as
-``tools/profile_latency.py`` times and ``--manual-gc`` trains). Rows carry ``--label`` and are merged into ``--out``
+``tools/profile_latency.py`` times and ``--manual-gc`` trains).
+
+``--rounds R`` then times every pack again in R round-robin rounds (a few seconds apart) and
+reports how far one pack's median moves from round to round (``round_wall_ms``, and
+``between_rounds``: ``|a - b| / b`` over all pairs of rounds of a pack). That is the error even a
+perfect latency table of the same pack would have, since it was measured at another moment: the
+floor under the latency benchmark's error, for host-bound and GPU-bound packs separately. Rows carry ``--label`` and are merged into ``--out``
 by label, so two code versions can be measured into one file::
 
     python -m benchmarks.host_overhead --label after --out benchmarks/results/host_overhead_h200.json
@@ -49,6 +55,11 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--label", default="current")
     p.add_argument("--out", default=None, help="JSON file; rows of other labels already there are kept")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="then time every pack again in this many round-robin rounds (drift of the same pack)")
+    p.add_argument("--host-fraction", type=float, default=0.9,
+                   help="a pack counts as host-bound in the round summary when issuing it takes this fraction "
+                        "of its wall time or more")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also print the N functions with the most host time (cProfile) of the first pack")
     return p.parse_args(argv)
@@ -98,7 +109,9 @@ def print_host_profile(step, top: int) -> None:
     stats.sort_stats("cumulative").print_stats(top)
 
 
-def measure(step, warmup: int, iters: int) -> dict:
+def time_steps(step, warmup: int, iters: int) -> tuple[list, list]:
+    """``(wall_ms, host_ms)`` of ``iters`` steps after ``warmup``: CUDA events, and the CPU time
+    until ``step()`` returns."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -113,10 +126,56 @@ def measure(step, warmup: int, iters: int) -> dict:
             end.record()
             end.synchronize()
             walls.append(start.elapsed_time(end))
+    return walls, hosts
+
+
+def measure(step, warmup: int, iters: int) -> dict:
+    walls, hosts = time_steps(step, warmup, iters)
     kernels = statistics.median(kernel_ms(step) for _ in range(3))
     wall = statistics.median(walls)
     return {"wall_ms": wall, "host_ms": statistics.median(hosts), "kernel_ms": kernels,
             "gpu_idle": max(0.0, 1.0 - kernels / wall), "syncs": count_syncs(step)}
+
+
+def relative_spread(values: list) -> list:
+    """``|a - b| / b`` over all ordered pairs of ``values``."""
+    return [abs(a - b) / b for i, a in enumerate(values) for j, b in enumerate(values) if i != j]
+
+
+def is_host_bound(row: dict, host_fraction: float = 0.9) -> bool:
+    """The step lasts as long as the CPU takes to issue it: the GPU waits for the host."""
+    return row["host_ms"] >= host_fraction * row["wall_ms"]
+
+
+def summarize_rounds(rows: list, host_fraction: float = 0.9) -> dict:
+    """Spread of each pack's median between rounds (``round_wall_ms``), host- and GPU-bound
+    packs apart: median and p90 of ``|a - b| / b`` over all pairs of rounds of a pack."""
+    summary = {}
+    for name, bound in (("host_bound", True), ("gpu_bound", False)):
+        group = [r for r in rows if is_host_bound(r, host_fraction) == bound]
+        diffs = sorted(d for r in group for d in relative_spread(r["round_wall_ms"]))
+        if diffs:
+            summary[name] = {"packs": len(group), "median_rel_diff": statistics.median(diffs),
+                             "p90_rel_diff": diffs[min(len(diffs) - 1, int(0.9 * len(diffs)))]}
+    return summary
+
+
+def time_rounds(prof, rows: list, args) -> dict:
+    """Time every pack of ``rows`` again in ``args.rounds`` round-robin rounds, add each pack's
+    round medians to its row (``round_wall_ms``) and return :func:`summarize_rounds`."""
+    steps = [prof.stage_step(r["lengths"], r["budget"]) for r in rows]
+    for r in rows:
+        r["round_wall_ms"] = []
+    for n in range(args.rounds):
+        for r, step in zip(rows, steps):
+            walls, _ = time_steps(step, 1, args.iters)
+            r["round_wall_ms"].append(statistics.median(walls))
+        print(f"round {n + 1}/{args.rounds}: " + " ".join(f"{r['round_wall_ms'][-1]:.1f}" for r in rows), flush=True)
+    summary = summarize_rounds(rows, args.host_fraction)
+    for name, x in summary.items():
+        print(f"between rounds, {x['packs']} {name} packs: median |a-b|/b {x['median_rel_diff']:.3f}, "
+              f"p90 {x['p90_rel_diff']:.3f}")
+    return {"rounds": args.rounds, "iters": args.iters, "host_fraction": args.host_fraction, **summary}
 
 
 def main(argv=None) -> None:
@@ -137,14 +196,21 @@ def main(argv=None) -> None:
         print(f"{args.label:>8} {'x'.join(map(str, lengths)) if len(lengths) < 3 else len(lengths):>16} "
               f"{row['wall_ms']:8.2f} {row['kernel_ms']:9.2f} {row['host_ms']:8.2f} {row['gpu_idle']:5.2f} "
               f"{row['syncs']:5d}", flush=True)
+    between = time_rounds(prof, rows, args) if args.rounds > 1 else None
     if args.cprofile:
         print_host_profile(prof.stage_step(cases[0], args.budget), args.cprofile)
     if args.out:
         old = json.load(open(args.out)) if os.path.exists(args.out) else {"rows": []}
-        kept = [r for r in old["rows"] if r["label"] != args.label]
-        result = {"gpu": device_name(), "torch": torch.__version__, "model": args.model,
+        # other labels' rows and round summaries, and the notes, are kept
+        result = {**old, "gpu": device_name(), "torch": torch.__version__, "model": args.model,
                   "layers_per_stage": args.layers_per_stage, "impl": args.sparse_attn_impl,
-                  "stage": "middle (no embedding, no output layer)", "rows": kept + rows}
+                  "stage": "middle (no embedding, no output layer)",
+                  "rows": [r for r in old["rows"] if r["label"] != args.label] + rows}
+        rounds = {k: v for k, v in old.get("between_rounds", {}).items() if k != args.label}
+        if between is not None:
+            rounds[args.label] = between
+        if rounds:
+            result["between_rounds"] = rounds
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
