@@ -22,8 +22,10 @@ Medians over ``--iters`` after ``--warmup``, with the garbage collector off whil
 reports how far one pack's median moves from round to round (``round_wall_ms``, and
 ``between_rounds``: ``|a - b| / b`` over all pairs of rounds of a pack). That is the error even a
 perfect latency table of the same pack would have, since it was measured at another moment: the
-floor under the latency benchmark's error, for host-bound and GPU-bound packs separately. Rows carry ``--label`` and are merged into ``--out``
-by label, so two code versions can be measured into one file::
+floor under the latency benchmark's error, for host-bound and GPU-bound packs separately.
+
+Rows carry ``--label`` and are merged into ``--out`` by label, so two code versions can be
+measured into one file::
 
     python -m benchmarks.host_overhead --label after --out benchmarks/results/host_overhead_h200.json
 """
