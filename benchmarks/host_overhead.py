@@ -111,9 +111,7 @@ def print_host_profile(step, top: int) -> None:
     stats.sort_stats("cumulative").print_stats(top)
 
 
-def time_steps(step, warmup: int, iters: int) -> tuple[list, list]:
-    """``(wall_ms, host_ms)`` of ``iters`` steps after ``warmup``: CUDA events, and the CPU time
-    until ``step()`` returns."""
+def measure(step, warmup: int, iters: int) -> dict:
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -128,11 +126,6 @@ def time_steps(step, warmup: int, iters: int) -> tuple[list, list]:
             end.record()
             end.synchronize()
             walls.append(start.elapsed_time(end))
-    return walls, hosts
-
-
-def measure(step, warmup: int, iters: int) -> dict:
-    walls, hosts = time_steps(step, warmup, iters)
     kernels = statistics.median(kernel_ms(step) for _ in range(3))
     wall = statistics.median(walls)
     return {"wall_ms": wall, "host_ms": statistics.median(hosts), "kernel_ms": kernels,
@@ -163,15 +156,14 @@ def summarize_rounds(rows: list, host_fraction: float = 0.9) -> dict:
 
 
 def time_rounds(prof, rows: list, args) -> dict:
-    """Time every pack of ``rows`` again in ``args.rounds`` round-robin rounds, add each pack's
-    round medians to its row (``round_wall_ms``) and return :func:`summarize_rounds`."""
-    steps = [prof.stage_step(r["lengths"], r["budget"]) for r in rows]
+    """Time every pack of ``rows`` again in ``args.rounds`` round-robin rounds with the latency
+    profiler's own timing (``StageProfiler.measure``), add each pack's round medians to its row
+    (``round_wall_ms``) and return :func:`summarize_rounds`."""
     for r in rows:
         r["round_wall_ms"] = []
     for n in range(args.rounds):
-        for r, step in zip(rows, steps):
-            walls, _ = time_steps(step, 1, args.iters)
-            r["round_wall_ms"].append(statistics.median(walls))
+        for r in rows:
+            r["round_wall_ms"].append(prof.measure(r["lengths"], r["budget"], warmup=1, iters=args.iters))
         print(f"round {n + 1}/{args.rounds}: " + " ".join(f"{r['round_wall_ms'][-1]:.1f}" for r in rows), flush=True)
     summary = summarize_rounds(rows, args.host_fraction)
     for name, x in summary.items():

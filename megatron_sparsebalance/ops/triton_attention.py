@@ -302,6 +302,7 @@ def _backward(do, q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend, scale: float,
     NB = bstart.numel()
     if T == 0 or NB == 0:
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    do = do.contiguous()  # autograd may hand over a strided gradient; the kernels index it densely
     # The index first: its sort temporaries are freed before the gradients are allocated.
     q_ptr, q_idx = transpose_index_gpu(kv_idx, kv_cnt)
     dq = torch.empty_like(q)
@@ -328,12 +329,8 @@ def _backward(do, q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend, scale: float,
     return dq, dk, dv
 
 
-def _backward_contiguous(do, *rest):
-    return _backward(do.contiguous(), *rest)
-
-
 # torch.library ops (traced by torch.compile) and the eager autograd path, see registration.py
-triton_attention = register_attention("triton", _forward, _backward_contiguous)
+triton_attention = register_attention("triton", _forward, _backward)
 triton_attn_fwd, triton_attn_bwd = triton_attention.forward_op, triton_attention.backward_op
 
 
