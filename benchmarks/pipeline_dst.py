@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_sparsebalance.attention import SparseAttentionConfig
-from megatron_sparsebalance.balance.dst import ANCHORS, DSTConfig
+from megatron_sparsebalance.balance.dst import ANCHORS, GROWTH_RULES, DSTConfig
 from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, LatencyModel, device_name
 from megatron_sparsebalance.data.distributions import sample_lengths
 from megatron_sparsebalance.data.synthetic import pack_sequences
@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--anchors", nargs="+", default=["none", "mean"], choices=ANCHORS)
     p.add_argument("--dst-p", type=float, default=0.1)
+    p.add_argument("--dst-growth", choices=GROWTH_RULES, default="bubble",
+                   help="how far micro-batches below the anchor grow (the committed 2xH200 figures: anchor)")
     p.add_argument("--moba-block-size", type=int, default=128)
     p.add_argument("--moba-topk", type=int, default=32)
     p.add_argument("--sparse-attn-impl", choices=IMPLEMENTATIONS, default="auto")
@@ -143,7 +145,7 @@ def main(argv=None):
             latency = AnalyticLatencyModel(shape, nl, block_size=args.moba_block_size,
                                            hardware="h200" if on_gpu else "cpu", dtype_bytes=2 if on_gpu else 4)
         torch.manual_seed(args.seed)
-        trainer = Trainer(shape, sparse, DSTConfig(anchor=anchor, p=args.dst_p, k_base=args.moba_topk),
+        trainer = Trainer(shape, sparse, DSTConfig(anchor=anchor, p=args.dst_p, k_base=args.moba_topk, growth=args.dst_growth),
                           OptimSettings(lr=1e-5, min_lr=1e-6), max_sequence_length=args.seq_length, bf16=on_gpu,
                           latency_model=latency)
         measured = []

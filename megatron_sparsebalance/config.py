@@ -128,6 +128,9 @@ class DSTFlags:
     """Budgets DST may choose (default: the latency model's candidate set)."""
     dst_k_min: int = 1
     """Smallest budget DST gives a straggler."""
+    dst_growth: str = "bubble"
+    """How far micro-batches below the anchor grow: bubble (only into time the simulated 1F1B
+    pipeline would idle) or anchor (up to the anchor, the paper's rule)."""
 
 
 @dataclass
@@ -240,7 +243,8 @@ class SparseBalanceConfig:
                                     par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
 
     def dst_config(self) -> DSTConfig:
-        return DSTConfig(anchor=self.dst.dst_anchor, p=self.dst.dst_p, k_base=self.sparse.moba_topk)
+        return DSTConfig(anchor=self.dst.dst_anchor, p=self.dst.dst_p, k_base=self.sparse.moba_topk,
+                         growth=self.dst.dst_growth)
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.parallel.tensor_model_parallel_size * self.parallel.pipeline_model_parallel_size)

@@ -246,6 +246,8 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
             sampler.load_state_dict(common["sampler"])
         if "latency" in common:
             latency.load_calibration(common["latency"])
+        if "dst_floor" in common and trainer.coverage_floor is not None:
+            trainer.coverage_floor.load_state_dict(common["dst_floor"])
         bytes_sent_total = common.get("bytes_sent_total", 0)
         if rank == 0:
             print(f"resumed from {resume} at iteration {start}", flush=True)
@@ -270,7 +272,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
               f"({'/'.join(map(str, cfg.pipeline_layer_split(shape)))} per stage) "
               f"DP={dp}, {cfg.micro_batches_per_rank(world)} micro-batches per rank, attention "
               f"{resolve_impl(cfg.sparse.sparse_attn_impl, device) if cfg.sparse.sparse_attention else 'dense'}, "
-              f"DST {cfg.dst.dst_anchor} (p={cfg.dst.dst_p}), batching {cfg.batching.batching}, "
+              f"DST {cfg.dst.dst_anchor} (p={cfg.dst.dst_p}, growth {cfg.dst.dst_growth}), batching {cfg.batching.batching}, "
               f"latency model {type(latency).__name__}", flush=True)
 
     metrics = Metrics(cfg, start, is_logger=rank == dist.get_world_size() - 1)
@@ -286,6 +288,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
             "config": cfg.to_dict(), "model_shape": dataclasses.asdict(shape),
             "scheduler": trainer.scheduler.state_dict(), "sampler": sampler.state_dict(),
             "latency": latency.calibration_state(), "bytes_sent_total": bytes_sent_total,
+            **({"dst_floor": trainer.coverage_floor.state_dict()} if trainer.coverage_floor is not None else {}),
         }, rank_files={"dp_comm": trainer.outer.state_dict()} if trainer.outer is not None else None)
         last_saved = iteration
 

@@ -130,7 +130,7 @@ def dst_claim(table_path, out_path):
     results = {}
     for anchor in ("none", "mean", "none", "mean"):  # interleaved, so drift in machine load hits both
         dst = DSTConfig(anchor=anchor, p=None, k_base=CLAIM_K_BASE)
-        plan = pipeline_plans([CLAIM_MICRO_BATCHES], SHAPE.hidden_size, dst, latency)[0]
+        plan = pipeline_plans([CLAIM_MICRO_BATCHES], SHAPE.hidden_size, dst, latency, pp)[0]
         batches = micro_batches(CLAIM_MICRO_BATCHES, seed=3)
         model.zero_grad(set_to_none=True)
         forward_backward_sparsebalance(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_sparsebalance.balance.dst import DSTConfig, plan_budgets
+from megatron_sparsebalance.balance.dst import CoverageFloor, DSTConfig, PipelineShape, plan_budgets
 from megatron_sparsebalance.balance.latency import LatencyModel
 
 
@@ -19,8 +19,10 @@ class LinearCost(LatencyModel):
 MODEL = LinearCost(candidates=range(1, 17))
 
 
-def plan(mbs, anchor, model=MODEL, **kw):
-    return plan_budgets(mbs, model, DSTConfig(anchor=anchor, k_base=4, **kw))
+def plan(mbs, anchor, model=MODEL, pipeline=None, floor=None, **kw):
+    """The paper's growth rule unless ``growth`` says otherwise: the hand cases below are its."""
+    kw.setdefault("growth", "anchor")
+    return plan_budgets(mbs, model, DSTConfig(anchor=anchor, k_base=4, **kw), pipeline, floor)
 
 
 def test_none_is_the_fixed_budget():
@@ -71,10 +73,88 @@ def test_candidates_restrict_choices():
         plan([[1]], "mean", model=LinearCost(candidates=[2, 6]))
 
 
-@pytest.mark.parametrize("kw, match", [(dict(anchor="avg"), "--dst-anchor"), (dict(p=1.5), "--dst-p")])
+@pytest.mark.parametrize("kw, match", [(dict(anchor="avg"), "--dst-anchor"), (dict(p=1.5), "--dst-p"),
+                                       (dict(growth="idle"), "--dst-growth")])
 def test_bad_config_names_the_flag(kw, match):
     with pytest.raises(ValueError, match=match):
         plan([[1]], **{"anchor": "mean", **kw})
+
+
+def test_bubble_growth_without_a_pipeline_grows_nothing():
+    # One stage, one replica: the iteration is the sum of the micro-batches, so any growth lengthens it.
+    p = plan([[1], [2], [6]], "mean", growth="bubble")
+    assert p.budgets == [4, 4, 1] and p.iteration_ms == pytest.approx(2 + 4 + 6 * 1.25)
+
+
+def test_bubble_growth_by_hand_across_replicas():
+    # Replica 0: one straggler (L=100: 200 ms at k_base, 125 even at k_min). Replica 1: two L=20
+    # micro-batches (40 ms each). Anchor (200 + 40 + 40) / 3 = 93.3: the paper's rule grows both to
+    # k=14 (90 ms each), 180 ms on replica 1, longer than the straggler's 125. Under bubble growth
+    # replica 1 may use 125 ms: the common level gives k=8 each (60 + 60), the top-up k=9 to the
+    # first (65 + 60 = 125).
+    shape = PipelineShape(stages=1, replicas=(1, 2))
+    assert plan([[100], [20], [20]], "mean").budgets == [1, 14, 14]
+    p = plan([[100], [20], [20]], "mean", pipeline=shape, growth="bubble")
+    assert p.budgets == [1, 9, 8]
+    assert p.iteration_ms == pytest.approx(125.0)
+
+
+def test_bubble_growth_never_lengthens_the_pipeline():
+    """Random global batches on 4 stages x 2 replicas: stragglers shrink exactly as the paper's rule
+    says, the others grow at most to its budgets, and the simulated iteration is the shrinks' own."""
+    import random
+
+    rng = random.Random(0)
+    shape = PipelineShape(stages=4, replicas=(4, 4))
+    grew = 0
+    for _ in range(30):
+        mbs = [[rng.choice([1, 1, 2, 3, 40])] for _ in range(8)]
+        paper = plan(mbs, "mean", model=MODEL)
+        ours = plan(mbs, "mean", model=MODEL, pipeline=shape, growth="bubble")
+        shrunk = [min(k, 4) for k in paper.budgets]
+        for k_ours, k_paper, k_shrunk in zip(ours.budgets, paper.budgets, shrunk):
+            assert k_shrunk <= k_ours <= max(k_paper, 4)
+        assert ours.iteration_ms <= shape.iteration_ms([MODEL.predict(mb, k) for mb, k in zip(mbs, shrunk)]) * (1 + 1e-9)
+        assert ours.iteration_ms == pytest.approx(shape.iteration_ms(ours.predicted_ms))
+        grew += sum(k > s for k, s in zip(ours.budgets, shrunk))
+    assert grew > 0  # a pipeline with stragglers has idle time to grow into
+
+
+def test_coverage_floor_learns_what_the_layers_kept():
+    floor = CoverageFloor(decay=0.5)
+    assert floor.budget([5000]) == 1  # nothing learned: a shrink is expected to be taken as asked
+    floor.observe([5000, 100], asked=3, used=20.0)  # refused: the layers kept 20 on average
+    assert floor.budget([6000]) == 20 and floor.budget([3000]) == 1  # same bin (4K-8K) / another bin
+    floor.observe([7000], asked=3, used=10.0)
+    assert floor.budget([5000]) == 15  # EMA: 0.5 * 20 + 0.5 * 10
+    floor.observe([5000], asked=12, used=12.0)  # taken as asked, below the estimate
+    assert floor.budget([5000]) == 12
+    floor.observe([5000], asked=14, used=14.0)  # taken as asked, above it: says nothing new
+    assert floor.budget([5000]) == 12
+    other = CoverageFloor()
+    other.load_state_dict(floor.state_dict())
+    assert other.budget([5000]) == 12 and other.budget([3000]) == 1
+    with pytest.raises(ValueError, match="coverage-floor bins"):
+        CoverageFloor(bins=(10, 20)).load_state_dict(floor.state_dict())
+
+
+def test_plan_prices_a_refused_shrink_at_the_floor():
+    # The straggler (L=100) asks k_min=1 but the layers are known to keep 4 (= k_base): it will run
+    # 200 ms, not 125. Replica 1 then has 200 ms to fill and grows to the anchor (k=14, 90 + 90),
+    # where without the floor it had 125 (test above: k=9 and 8).
+    floor = CoverageFloor()
+    floor.observe([100], asked=1, used=4.0)
+    shape = PipelineShape(stages=1, replicas=(1, 2))
+    p = plan([[100], [20], [20]], "mean", pipeline=shape, growth="bubble", p=0.1, floor=floor)
+    assert p.budgets == [1, 14, 14] and p.expected_budgets == [4, 14, 14]
+    assert p.predicted_ms == pytest.approx([200.0, 90.0, 90.0]) and p.iteration_ms == pytest.approx(200.0)
+    # Without --dst-p the layers take every shrink: the floor is not consulted.
+    assert plan([[100], [20], [20]], "mean", pipeline=shape, growth="bubble", p=None, floor=floor).budgets == [1, 9, 8]
+
+
+def test_pipeline_shape_must_fit_the_plan():
+    with pytest.raises(ValueError, match="does not fit 3 micro-batches"):
+        plan([[1], [2], [3]], "mean", pipeline=PipelineShape(stages=2, replicas=(2, 2)), growth="bubble")
 
 
 def test_coverage_fallback_in_the_layer():

@@ -46,7 +46,7 @@ def test_e2e_smoke_run_and_merge(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "benchmarks.e2e",
            "--layout", "pp2dp1", "--model", "tiny", "--num-layers", "3", "--last-stage-layers", "1",
            "--seq-length", "1024", "--moba-block-size", "64", "--moba-topk", "4", "--dists", "bimodal",
-           "--configs", "baseline", "sab+dst", "--iters", "2", "--global-batch-size", "8", "--out", out,
+           "--configs", "baseline", "sab+dst", "--prewarm", "baseline", "--iters", "2", "--global-batch-size", "8", "--out", out,
            "--extra", "--untie-embeddings-and-output-weights", "--mock-vocab-size", "512"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -9,9 +9,10 @@ Two modes:
 * predict (default): for DP x PP clusters of ``--gpus`` GPUs (``TP`` x ``PP`` x ``DP``), draws
   global batches of ``--micro-batches`` micro-batches of ``--micro-batch-size`` samples per DP
   replica from ``--dist``, plans them as each configuration would (batching none / lbb / sab, DST
-  none / mean, using the latency model: ``--latency-table`` or the analytic model) and simulates
-  the iteration. DST here is unconstrained by the coverage bound ``p`` (the router's scores do not
-  exist in a simulation), so its rows are the ideal DST can reach for these costs.
+  none / mean, growth ``bubble``, and the paper's ``anchor`` growth as ``sab+dst-anchor``; using the
+  latency model: ``--latency-table`` or the analytic model) and simulates the iteration. DST here
+  is unconstrained by the coverage bound ``p`` (the router's scores do not exist in a simulation),
+  so its rows are the ideal DST can reach for these costs.
 
     python tools/simulate_pipeline.py --replay benchmarks/results/pipeline_dst_h200x2_longtail.json
     python tools/simulate_pipeline.py --model qwen2.5-3b --pp 4 --tp 2 --gpus 32 64 128 256 512 1024 \\
@@ -26,16 +27,17 @@ import sys
 
 import numpy as np
 
-from megatron_sparsebalance.balance.dst import DSTConfig, plan_budgets
+from megatron_sparsebalance.balance.dst import DSTConfig, PipelineShape, plan_budgets
 from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, LatencyModel
 from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
 from megatron_sparsebalance.data.distributions import sample_lengths
 from megatron_sparsebalance.pipeline.simulate import simulate_iteration, uniform_stages
 from megatron_sparsebalance.training.model import MODEL_PRESETS
 
-CONFIGS = {  # name: (batching, dst anchor)
-    "baseline": ("none", "none"), "lbb": ("lbb", "none"), "sab": ("sab", "none"), "dst": ("none", "mean"),
-    "sab+dst": ("sab", "mean"),
+CONFIGS = {  # name: (batching, dst anchor, dst growth)
+    "baseline": ("none", "none", "bubble"), "lbb": ("lbb", "none", "bubble"), "sab": ("sab", "none", "bubble"),
+    "dst": ("none", "mean", "bubble"), "sab+dst": ("sab", "mean", "bubble"),
+    "sab+dst-anchor": ("sab", "mean", "anchor"),
 }
 
 
@@ -69,14 +71,15 @@ def simulate_configs(batches, latency, pp: int, dp: int, micro_batches: int, k_b
     """
     shares = stage_shares or [1.0 / pp] * pp
     times = {}
-    for name, (batching, anchor) in configs.items():
+    for name, (batching, anchor, growth) in configs.items():
         batcher = SparsityAwareBatcher(batching, dp, micro_batches, latency_model=latency, k_base=k_base,
                                        micro_batch_tokens=micro_batch_tokens)
         per_iter = []
         for lengths in batches:
             plan = batcher.plan(lengths)
             mbs = plan.all_micro_batch_lengths()
-            budgets = plan_budgets(mbs, latency, DSTConfig(anchor=anchor, p=None, k_base=k_base)).budgets
+            dst = DSTConfig(anchor=anchor, p=None, k_base=k_base, growth=growth)
+            budgets = plan_budgets(mbs, latency, dst, PipelineShape(pp, (micro_batches,) * dp)).budgets
             cost = [pp * latency.predict(mb, k) for mb, k in zip(mbs, budgets)]
             m = micro_batches
             # As in pretrain: SAB's estimator learns the budgets DST gave, for the next batches.

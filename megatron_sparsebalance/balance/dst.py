@@ -3,17 +3,38 @@
 DESIGN.md §4. Every rank runs the same plan from the same lengths, so no communication is
 needed: predict each micro-batch's time at the base budget, take an anchor of those times
 (min / mean / max / median), and give each micro-batch the largest budget whose predicted time
-fits under the anchor. Stragglers shrink; the others grow into time the pipeline would idle
-anyway. The per-layer coverage bound (``--dst-p``) is applied later, inside each attention
-layer, because only the layer sees the router's scores.
+fits under the anchor. Stragglers shrink; the others grow. The per-layer coverage bound
+(``--dst-p``) is applied later, inside each attention layer, because only the layer sees the
+router's scores.
+
+The plan predicts a shrunk micro-batch at the budget the layers will keep, not at the one it
+asks for: :class:`CoverageFloor` learns, from what the layers did in earlier global batches, how
+far the bound lets a micro-batch of a given length shrink.
+
+How far the others grow is ``--dst-growth``:
+
+* ``anchor`` (the paper's rule): every micro-batch below the anchor grows up to it.
+* ``bubble`` (default): a micro-batch grows only as far as the simulated 1F1B iteration of the
+  whole global batch (``pipeline/simulate.py``, every DP replica, with the plan's predicted
+  times) does not get longer than with the shrinks alone. Growth to the anchor assumes the
+  stragglers reach the anchor; when they cannot (the coverage bound keeps them above it, or even
+  ``k_min`` is too slow), the grown micro-batches add their time to every stage's busy time and
+  the iteration gets longer than the fixed budget's. Under ``bubble`` growth only fills time
+  the pipeline would idle, which is what the budget headroom is for.
 """
 from __future__ import annotations
 
+import bisect
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from megatron_sparsebalance.balance.sab import DEFAULT_LENGTH_BINS
+from megatron_sparsebalance.pipeline.simulate import simulate_iteration, uniform_stages
+
 ANCHORS = ("none", "min", "mean", "max", "median")
+GROWTH_RULES = ("bubble", "anchor")
 
 
 @dataclass
@@ -24,10 +45,14 @@ class DSTConfig:
     """--dst-p: largest coverage a layer may lose against k_base when shrinking (None: unbounded)."""
     k_base: int = 32
     """--moba-topk: the fixed budget of the baseline."""
+    growth: str = "bubble"
+    """--dst-growth: how far micro-batches below the anchor grow (bubble or anchor; module doc)."""
 
     def validate(self) -> "DSTConfig":
         if self.anchor not in ANCHORS:
             raise ValueError(f"--dst-anchor must be one of {ANCHORS}, got {self.anchor!r}")
+        if self.growth not in GROWTH_RULES:
+            raise ValueError(f"--dst-growth must be one of {GROWTH_RULES}, got {self.growth!r}")
         if self.p is not None and not 0.0 <= self.p <= 1.0:
             raise ValueError(f"--dst-p must be in [0, 1], got {self.p}")
         if self.k_base < 1:
@@ -46,6 +71,85 @@ class BudgetPlan:
     k_base: int
     p: Optional[float]
     notes: list[str] = field(default_factory=list)
+    iteration_ms: Optional[float] = None
+    """The simulated 1F1B iteration of ``predicted_ms`` (``bubble`` growth only)."""
+    expected_budgets: Optional[list] = None
+    """The budgets ``predicted_ms`` is priced at: ``budgets``, except a shrink the coverage
+    bound is expected to refuse, at the :class:`CoverageFloor` estimate."""
+
+
+class CoverageFloor:
+    """How far the coverage bound lets a micro-batch shrink, learned from what the layers did.
+
+    DST asks a straggler for the budget that would bring it to the anchor; each layer then refuses
+    a shrink that loses more than ``p`` of coverage and keeps the smallest budget within ``p``
+    (DESIGN.md §4, step 4). That depends on the router's scores, which exist only inside the
+    forward, so the plan cannot compute it. It can learn it: per length bin of a micro-batch's
+    longest sequence (the one whose query blocks dominate the layer's coverage curve), an EMA of
+    the budget the layers kept (mean over layers) whenever they kept more than was asked; a shrink
+    they took as asked lowers the estimate to what was asked. Without the estimate, a plan prices
+    its stragglers at budgets they never run at, and spends on the others time the stragglers
+    never give back.
+
+    Args:
+        decay: weight of the old estimate in the EMA.
+        bins: upper edges of the length bins (SAB's, ``--sab-length-bins``' default).
+    """
+
+    def __init__(self, decay: float = 0.5, bins: Sequence[int] = DEFAULT_LENGTH_BINS):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"the coverage floor's EMA decay must be in [0, 1), got {decay}")
+        self.decay, self.edges = decay, tuple(int(b) for b in bins)
+        self.values: list = [None] * (len(self.edges) + 1)  # None: nothing learned for the bin yet
+
+    def _bin(self, lengths: Sequence[int]) -> int:
+        return bisect.bisect_left(self.edges, max(lengths))
+
+    def budget(self, lengths: Sequence[int]) -> int:
+        """The smallest budget the layers are expected to keep for this micro-batch (1: unknown)."""
+        value = self.values[self._bin(lengths)]
+        return 1 if value is None else math.ceil(value - 1e-6)
+
+    def observe(self, lengths: Sequence[int], asked: int, used: float) -> None:
+        """One micro-batch that DST asked to shrink to ``asked``; the layers' mean budget was ``used``."""
+        b = self._bin(lengths)
+        old = self.values[b]
+        if used > asked + 0.5:  # the bound refused the shrink in (some) layers
+            self.values[b] = used if old is None else self.decay * old + (1 - self.decay) * used
+        elif old is not None and asked < old:
+            self.values[b] = float(asked)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "bins": list(self.edges), "values": list(self.values)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if list(state["bins"]) != list(self.edges):
+            raise ValueError(f"the checkpoint's coverage-floor bins {state['bins']} differ from {list(self.edges)}")
+        self.decay, self.values = float(state["decay"]), list(state["values"])
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """Where the micro-batches run: ``stages`` pipeline stages per DP replica, and how many of the
+    plan's micro-batches (in order) each replica runs. One stage and one replica: no pipeline."""
+
+    stages: int = 1
+    replicas: Optional[tuple] = None
+    """Micro-batches per DP replica, in the plan's order (None: all on one replica)."""
+
+    def split(self, values: Sequence[float]) -> list:
+        counts = self.replicas or (len(values),)
+        if sum(counts) != len(values) or self.stages < 1:
+            raise ValueError(f"pipeline shape {self} does not fit {len(values)} micro-batches")
+        out, i = [], 0
+        for n in counts:
+            out.append(list(values[i:i + n]))
+            i += n
+        return out
+
+    def iteration_ms(self, stage_ms: Sequence[float]) -> float:
+        """Simulated 1F1B iteration when micro-batch ``j`` costs ``stage_ms[j]`` on every stage."""
+        return simulate_iteration([uniform_stages(r, self.stages) for r in self.split(stage_ms) if r])
 
 
 def _anchor(times: Sequence[float], anchor: str) -> float:
@@ -58,7 +162,8 @@ def _anchor(times: Sequence[float], anchor: str) -> float:
     return sum(times) / len(times)
 
 
-def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfig) -> BudgetPlan:
+def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfig,
+                 pipeline: Optional[PipelineShape] = None, floor: Optional[CoverageFloor] = None) -> BudgetPlan:
     """Budgets of all micro-batches of a global batch (all DP ranks).
 
     Args:
@@ -66,6 +171,10 @@ def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfi
         model: a latency model (docs/INTERFACES.md); its ``align`` picks from its budget
             candidates, at least its ``k_min``. ``k_base`` must be one of the candidates, so
             that a micro-batch at the anchor keeps its base budget.
+        pipeline: the stages and DP replicas the micro-batches run on (``bubble`` growth
+            simulates them); default: no pipeline, where no growth is free.
+        floor: what the coverage bound is expected to keep of a shrink (with ``p`` set);
+            default: a shrink is expected to be taken as asked.
     """
     config.validate()
     if config.anchor != "none" and config.k_base not in model.candidates:
@@ -77,7 +186,92 @@ def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfi
         return BudgetPlan([config.k_base] * len(base), base, list(base), None, config.k_base, None)
     target = _anchor(base, config.anchor)
     budgets = [model.align(mb, target) for mb in micro_batches]
-    predicted = [model.predict(mb, k) for mb, k in zip(micro_batches, budgets)]
+
+    def expected(mb, k: int) -> int:
+        if floor is None or config.p is None or k >= config.k_base:
+            return k
+        return min(config.k_base, max(k, floor.budget(mb)))
+
+    iteration_ms = None
+    if config.growth == "bubble":
+        budgets, iteration_ms = _grow_into_bubbles(micro_batches, model, config.k_base, budgets, target,
+                                                   pipeline or PipelineShape(), expected)
+    kept = [expected(mb, k) for mb, k in zip(micro_batches, budgets)]
+    predicted = [model.predict(mb, k) for mb, k in zip(micro_batches, kept)]
     notes = [f"micro-batch {i}: even k_min={model.k_min} is predicted above the anchor"
              for i, (t, k) in enumerate(zip(predicted, budgets)) if k == model.k_min and t > target]
-    return BudgetPlan(budgets, base, predicted, target, config.k_base, config.p, notes)
+    return BudgetPlan(budgets, base, predicted, target, config.k_base, config.p, notes, iteration_ms, kept)
+
+
+def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms: float,
+                       pipeline: PipelineShape, expected) -> tuple:
+    """Shrinks as ``asked`` (priced at what the layers are ``expected`` to keep); growth only as
+    far as the simulated iteration stays as short as with the shrinks alone. Returns
+    ``(budgets, simulated iteration ms)``.
+
+    Two passes, both bisections (the simulated time never falls when a micro-batch costs more):
+    first every micro-batch below the anchor grows to one common time level, the anchor lowered
+    until the iteration fits, so equal micro-batches get equal budgets; then each, lightest
+    first, grows further into whatever idle time its own stage slots still have. The iteration is
+    the slowest DP replica's and a budget changes only its own replica's pipeline, so every
+    check simulates one replica per change against the shrinks' iteration; each grower's budget
+    ladder is priced once.
+    """
+    budgets = [min(k, k_base) for k in asked]
+    times = [model.predict(mb, expected(mb, k)) for mb, k in zip(micro_batches, budgets)]
+    pipeline.split(times)  # refuses a shape that does not fit the plan
+    one = PipelineShape(pipeline.stages)
+    replicas, first = [], 0  # (first micro-batch, count) of each DP replica
+    for count in pipeline.replicas or (len(times),):
+        replicas.append((first, count))
+        first += count
+    limit = max(one.iteration_ms(times[a:a + n]) for a, n in replicas if n) * (1 + 1e-9)
+    # ladder[j]: (budget, ms) of the candidates above k_base that micro-batch j may grow to
+    ladder = {j: [(c, model.predict(micro_batches[j], c)) for c in model.candidates if k_base < c <= k]
+              for j, k in enumerate(asked) if k > k_base}
+    if not ladder:
+        return budgets, limit / (1 + 1e-9)
+
+    seen = {}  # (replica, its growers' rungs) -> fits: the bisections revisit the same rungs
+
+    def fits(step: dict, replica) -> bool:  # step: {micro-batch: ladder index}
+        a, n = replica
+        key = (a, tuple(step.get(j, -1) for j in range(a, a + n)))
+        if key not in seen:
+            ms = [ladder[j][step[j]][1] if j in step else times[j] for j in range(a, a + n)]
+            seen[key] = one.iteration_ms(ms) <= limit
+        return seen[key]
+
+    rung_ms = {j: [t for _, t in rungs] for j, rungs in ladder.items()}
+
+    def at_level(level_ms: float) -> dict:  # each grower's highest rung within the level
+        step = {}
+        for j, ms in rung_ms.items():
+            i = bisect.bisect_right(ms, level_ms) - 1
+            if i >= 0:
+                step[j] = i
+        return step
+
+    def all_fit(step: dict) -> bool:
+        return all(fits(step, r) for r in touched)
+
+    touched = [r for r in replicas if any(r[0] <= j < r[0] + r[1] for j in ladder)]
+    lo, hi = min(times[j] for j in ladder), anchor_ms  # at lo nothing grows: it fits
+    if all_fit(at_level(hi)):
+        lo = hi
+    else:
+        for _ in range(16):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if all_fit(at_level(mid)) else (lo, mid)
+    step = at_level(lo)
+    replica_of = {j: r for r in touched for j in range(r[0], r[0] + r[1])}
+    for j in sorted(ladder, key=lambda j: ladder[j][step[j]][1] if j in step else times[j]):
+        lo_i, hi_i = step.get(j, -1), len(ladder[j]) - 1  # ladder[j][:lo_i + 1] fit
+        while lo_i < hi_i:
+            mid = (lo_i + hi_i + 1) // 2
+            lo_i, hi_i = (mid, hi_i) if fits({**step, j: mid}, replica_of[j]) else (lo_i, mid - 1)
+        if lo_i >= 0:
+            step[j] = lo_i
+    for j, i in step.items():
+        budgets[j], times[j] = ladder[j][i]
+    return budgets, pipeline.iteration_ms(times)

@@ -81,7 +81,17 @@ def pooled_dots(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout) -> torch.
         return torch.einsum("igd,jgd->gij", pq, pk)
 
 
-@triton.jit
+# DST changes budgets every global batch and packs change their longest sequence, so every
+# launch argument that follows them would compile a new kernel variant in the middle of a
+# training step (hundreds of ms, in whichever micro-batch first meets it): the vector widths are
+# floored so that one variant serves sequences up to MIN_CANDIDATE_WIDTH blocks and budgets up to
+# MIN_BUDGET_WIDTH, and the integer arguments are not specialized on their values. A wider
+# vector costs nothing measurable: the loop runs over a row's candidates, not over the width.
+MIN_CANDIDATE_WIDTH = 512  # 64K tokens in blocks of 128
+MIN_BUDGET_WIDTH = 128  # DST's largest default budget candidate
+
+
+@triton.jit(do_not_specialize=["NB", "K", "nsteps", "budget_scalar", "curve_len"])
 def _select_cover_kernel(
     DOTS, BLOCK_POS, BLOCK_SEQ, BUDGET, KV_IDX, KV_CNT, COVER_ROWS,
     NB, K, nsteps, budget_scalar, curve_len, scale,
@@ -184,7 +194,8 @@ def select_and_cover(
             dots, layout.block_pos, layout.block_seq, budget_ptr,
             kv_idx if select else dots, kv_cnt if select else dots, rows if cover else dots,
             NB, width, nsteps, budget_scalar, max(curve_len, 1), float(scale),
-            WP=triton.next_power_of_2(max(2, layout.max_blocks_per_seq)), KP=triton.next_power_of_2(width),
+            WP=triton.next_power_of_2(max(MIN_CANDIDATE_WIDTH, layout.max_blocks_per_seq)),
+            KP=triton.next_power_of_2(max(MIN_BUDGET_WIDTH, width)),
             CP=triton.next_power_of_2(max(2, curve_len)), BUDGET_MODE=mode, SELECT=select, COVER=cover,
             num_warps=4,
         )

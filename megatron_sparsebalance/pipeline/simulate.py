@@ -13,6 +13,7 @@ runs (``tools/simulate_pipeline.py --replay``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,18 +38,18 @@ def one_f_one_b_order(pp: int, stage: int, m: int) -> list:
     return ops
 
 
-def simulate_1f1b(forward_ms: Sequence[Sequence[float]], backward_ms: Sequence[Sequence[float]],
-                  p2p_ms: float = 0.0) -> SimResult:
-    """One pipeline: ``forward_ms[s][i]`` / ``backward_ms[s][i]`` for stage ``s``, micro-batch ``i``."""
-    pp, m = len(forward_ms), len(forward_ms[0])
-    if pp < 1 or m < 1 or len(backward_ms) != pp or any(len(r) != m for r in (*forward_ms, *backward_ms)):
-        raise ValueError("forward_ms and backward_ms must both be [stages][micro-batches], non-empty")
+@functools.lru_cache(maxsize=64)
+def _dependency_order(pp: int, m: int) -> tuple:
+    """Every operation of a ``pp``-stage, ``m``-micro-batch 1F1B, in an order that runs each one
+    after the operation it waits for: ``((stage, kind, i, dep), ...)`` with ``dep`` the
+    ``(kind, stage, i)`` it waits for, or ``None``.
+
+    The order depends on the dependency graph alone, not on the costs, so it is built once per
+    ``(pp, m)``; DST's bubble growth simulates the same schedule dozens of times per global batch.
+    """
     orders = [one_f_one_b_order(pp, s, m) for s in range(pp)]
-    done = {}  # (kind, stage, i) -> end time
-    pos, free = [0] * pp, [0.0] * pp
-    spans = []
-    remaining = sum(len(o) for o in orders)
-    while remaining:
+    placed, pos, out = set(), [0] * pp, []
+    while len(out) < 2 * pp * m:
         progressed = False
         for s in range(pp):
             if pos[s] == len(orders[s]):
@@ -58,18 +59,32 @@ def simulate_1f1b(forward_ms: Sequence[Sequence[float]], backward_ms: Sequence[S
                 dep = None if s == 0 else ("F", s - 1, i)
             else:
                 dep = ("F", s, i) if s == pp - 1 else ("B", s + 1, i)
-            if dep is not None and dep not in done:
+            if dep is not None and dep not in placed:
                 continue
-            ready = 0.0 if dep is None else done[dep] + (p2p_ms if dep[1] != s else 0.0)
-            start = max(free[s], ready)
-            end = start + (forward_ms if kind == "F" else backward_ms)[s][i]
-            done[(kind, s, i)] = free[s] = end
-            spans.append((s, kind, i, start, end))
+            placed.add((kind, s, i))
+            out.append((s, kind, i, dep))
             pos[s] += 1
-            remaining -= 1
             progressed = True
         if not progressed:  # cannot happen for a valid 1F1B order; guards against a bad edit
             raise RuntimeError("1F1B dependency cycle in the simulator")
+    return tuple(out)
+
+
+def simulate_1f1b(forward_ms: Sequence[Sequence[float]], backward_ms: Sequence[Sequence[float]],
+                  p2p_ms: float = 0.0) -> SimResult:
+    """One pipeline: ``forward_ms[s][i]`` / ``backward_ms[s][i]`` for stage ``s``, micro-batch ``i``."""
+    pp, m = len(forward_ms), len(forward_ms[0]) if forward_ms else 0
+    if pp < 1 or m < 1 or len(backward_ms) != pp or any(len(r) != m for r in (*forward_ms, *backward_ms)):
+        raise ValueError("forward_ms and backward_ms must both be [stages][micro-batches], non-empty")
+    done = {}  # (kind, stage, i) -> end time
+    free = [0.0] * pp
+    spans = []
+    for s, kind, i, dep in _dependency_order(pp, m):
+        ready = 0.0 if dep is None else done[dep] + (p2p_ms if dep[1] != s else 0.0)
+        start = max(free[s], ready)
+        end = start + (forward_ms if kind == "F" else backward_ms)[s][i]
+        done[(kind, s, i)] = free[s] = end
+        spans.append((s, kind, i, start, end))
     total = max(free)
     busy = [sum(e - b for st, _, _, b, e in spans if st == s) for s in range(pp)]
     return SimResult(total, busy, [1.0 - x / total for x in busy], spans)

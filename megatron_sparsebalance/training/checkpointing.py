@@ -5,7 +5,7 @@
     <save>/iter_0000100/                      one checkpoint (dist_checkpointing format)
         sharded: model (and optimizer) state, resharded on load to any TP/PP layout
         common:  iteration, resolved config, LR scheduler, sampler + SAB estimator, latency
-                 model calibration, format tag
+                 model calibration, DST's coverage floor, format tag
         rng_rank<r>.pt                        each rank's RNG states
         <name>_rank<r>.pt                     optional per-rank state (e.g. dp_comm: DiLoCo/SparseLoCo)
         complete                              written last: the checkpoint is whole

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 from megatron.core import parallel_state
 
-from megatron_sparsebalance.balance.dst import DSTConfig, plan_budgets
+from megatron_sparsebalance.balance.dst import CoverageFloor, DSTConfig, PipelineShape, plan_budgets
 from megatron_sparsebalance.pipeline.schedule import MicroBatchPlan, PipelinePlan
 
 
@@ -43,12 +43,16 @@ def pipeline_plans(
     hidden_size: int,
     dst: DSTConfig,
     latency_model=None,
+    pipeline_stages: int = 1,
+    coverage_floor: Optional[CoverageFloor] = None,
 ) -> list[PipelinePlan]:
     """Plans of every DP rank for one global batch (the same on every rank: no communication).
 
     Args:
         micro_batch_lengths: ``[dp_rank][micro_batch] -> sequence lengths``.
         latency_model: needed unless ``dst.anchor == 'none'``; its predictions go into the plan.
+        pipeline_stages: stages per DP replica (DST's ``bubble`` growth simulates the pipeline).
+        coverage_floor: what the layers' coverage bound is expected to keep of a shrink.
     """
     flat = [mb for rank in micro_batch_lengths for mb in rank]
     if dst.anchor == "none" and latency_model is None:
@@ -56,7 +60,8 @@ def pipeline_plans(
     else:
         if latency_model is None:
             raise ValueError(f"--dst-anchor {dst.anchor} needs a latency model (--latency-table or the analytic model)")
-        decision = plan_budgets(flat, latency_model, dst)
+        shape = PipelineShape(pipeline_stages, tuple(len(rank) for rank in micro_batch_lengths))
+        decision = plan_budgets(flat, latency_model, dst, shape, coverage_floor)
         budgets, predicted = decision.budgets, decision.predicted_ms
     plans, i = [], 0
     for rank in micro_batch_lengths:

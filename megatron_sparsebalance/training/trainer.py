@@ -21,7 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
-from megatron_sparsebalance.balance.dst import DSTConfig
+from megatron_sparsebalance.balance.dst import CoverageFloor, DSTConfig
 from megatron_sparsebalance.pipeline.schedule import PipelinePlan, forward_backward_sparsebalance
 from megatron_sparsebalance.pipeline.timeline import IterationMetrics
 from megatron_sparsebalance.training.model import ModelShape, build_gpt_model, transformer_config
@@ -97,6 +97,9 @@ class Trainer:
         optim.validate()
         self.dp_comm = (dp_comm or DPCommConfig()).validate(optim.use_distributed_optimizer)
         self.latency_model, self.calibrate = latency_model, calibrate
+        # What the layers' coverage bound keeps of DST's shrinks, learned from the measured steps.
+        self.coverage_floor = CoverageFloor() if dst.anchor != "none" and dst.p is not None else None
+        self._plans: list = []  # every DP rank's plan of the current global batch
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.config = transformer_config(shape, pipeline_parallel_size=pp, tensor_parallel_size=tp, bf16=bf16,
@@ -146,8 +149,9 @@ class Trainer:
 
     def plan(self, micro_batch_lengths: Sequence[Sequence[Sequence[int]]]) -> PipelinePlan:
         """This DP rank's plan for a global batch (``[dp_rank][micro_batch] -> lengths``)."""
-        plans = pipeline_plans(micro_batch_lengths, self.shape.hidden_size, self.dst, self.latency_model)
-        return plans[parallel_state.get_data_parallel_rank()]
+        self._plans = pipeline_plans(micro_batch_lengths, self.shape.hidden_size, self.dst, self.latency_model,
+                                     parallel_state.get_pipeline_model_parallel_world_size(), self.coverage_floor)
+        return self._plans[parallel_state.get_data_parallel_rank()]
 
     def train_step(self, micro_batch_lengths, batches, measure: bool = True) -> StepResult:
         """One global batch: plan, 1F1B forward/backward, optimizer step, calibration."""
@@ -175,6 +179,8 @@ class Trainer:
             self.scheduler.step(increment=1)
         if measure and self.calibrate and self.latency_model is not None and plan.measured is not None:
             self._calibrate(micro_batch_lengths, plan.measured)
+        if self.coverage_floor is not None and plan.measured is not None:
+            self._learn_floor(plan.measured)
         # Skipped inner steps count too: replicas skip on their own gradient norms, and the outer
         # steps must stay aligned across them.
         outer = self.outer.after_inner_step() if self.outer is not None else None
@@ -187,6 +193,13 @@ class Trainer:
         dist.all_reduce(value)
         holders = parallel_state.get_data_parallel_world_size() * parallel_state.get_tensor_model_parallel_world_size()
         return float(value) / holders
+
+    def _learn_floor(self, metrics: IterationMetrics) -> None:
+        # The gathered budgets cover every DP rank's micro-batches, so every rank learns the same.
+        asked = [mb for plan in self._plans for mb in plan.micro_batches]
+        for mb, used in zip(asked, metrics.budgets):
+            if mb.budget < self.dst.k_base and used > 0:
+                self.coverage_floor.observe(mb.lengths, mb.budget, used)
 
     def _calibrate(self, micro_batch_lengths, metrics: IterationMetrics) -> None:
         # Every rank sees the same gathered metrics, so every rank's model stays identical.
