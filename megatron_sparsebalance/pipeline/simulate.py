@@ -77,16 +77,16 @@ def simulate_1f1b(forward_ms: Sequence[Sequence[float]], backward_ms: Sequence[S
     if pp < 1 or m < 1 or len(backward_ms) != pp or any(len(r) != m for r in (*forward_ms, *backward_ms)):
         raise ValueError("forward_ms and backward_ms must both be [stages][micro-batches], non-empty")
     done = {}  # (kind, stage, i) -> end time
-    free = [0.0] * pp
+    free, busy = [0.0] * pp, [0.0] * pp
     spans = []
     for s, kind, i, dep in _dependency_order(pp, m):
         ready = 0.0 if dep is None else done[dep] + (p2p_ms if dep[1] != s else 0.0)
         start = max(free[s], ready)
-        end = start + (forward_ms if kind == "F" else backward_ms)[s][i]
-        done[(kind, s, i)] = free[s] = end
-        spans.append((s, kind, i, start, end))
+        cost = (forward_ms if kind == "F" else backward_ms)[s][i]
+        done[(kind, s, i)] = free[s] = start + cost
+        busy[s] += cost
+        spans.append((s, kind, i, start, start + cost))
     total = max(free)
-    busy = [sum(e - b for st, _, _, b, e in spans if st == s) for s in range(pp)]
     return SimResult(total, busy, [1.0 - x / total for x in busy], spans)
 
 
