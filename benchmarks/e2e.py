@@ -265,8 +265,6 @@ def run(args) -> dict:
     # configuration meets it first (seconds, in one iteration), never in the later ones.
     for dist_name in args.dists:
         for config in args.prewarm:
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
             pretrain(config_from_args(parser.parse_args(pretrain_flags(args, dist_name, config))))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -276,10 +274,12 @@ def run(args) -> dict:
             if only and only != dist_name:
                 continue
             cfg = config_from_args(parser.parse_args(pretrain_flags(args, dist_name, config)))
-            # A fresh model-parallel state per run: pretrain re-creates it and re-seeds megatron's
-            # CUDA RNG tracker, so every configuration starts from the same weights.
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
+            # The model-parallel groups live across runs: megatron's destroy_model_parallel drops
+            # its references to the groups but does not destroy them, so a new set per run leaves
+            # the old NCCL communicators allocated (the prewarmed PP=4 job of docs/BENCHMARKS.md
+            # ran out of memory after 15 runs with ~30 GiB outside PyTorch's allocator). pretrain
+            # re-seeds megatron's CUDA RNG tracker on every call, so every configuration still
+            # starts from the same weights.
             if config == "baseline":
                 baseline_cfg[dist_name] = cfg
             recorder = Recorder(args.warmup)

@@ -39,10 +39,19 @@ def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
         dist.init_process_group(backend, rank=rank, world_size=world)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
-        if torch.cuda.is_available():
-            from megatron.core import tensor_parallel
+    elif (parallel_state.get_tensor_model_parallel_world_size(),
+          parallel_state.get_pipeline_model_parallel_world_size()) != (tensor_parallel_size, pipeline_parallel_size):
+        raise ValueError(
+            f"--tensor-model-parallel-size {tensor_parallel_size} / --pipeline-model-parallel-size "
+            f"{pipeline_parallel_size} differ from this process's model-parallel groups "
+            f"({parallel_state.get_tensor_model_parallel_world_size()} / "
+            f"{parallel_state.get_pipeline_model_parallel_world_size()}): destroy them first")
+    if torch.cuda.is_available():
+        # Every call, also when the groups already exist (several runs in one process): a run
+        # starts from the seeded tracker, so its weights do not depend on the runs before it.
+        from megatron.core import tensor_parallel
 
-            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_distributed() -> None:
