@@ -194,3 +194,16 @@ def metrics_from_known_spans():
     assert [round(b, 12) for b in m.bubble] == [round(1 - 18 / 40, 12), round(1 - 21 / 40, 12)]
     assert m.budgets == [4.0, 2.0, 4.0] and m.coverage == [1.0, 0.5, 1.0]
     assert m.predicted_ms == [9.0, 12.0, 6.0]
+
+
+def groups_kept_across_calls():
+    """init_distributed again with the same sizes keeps the groups; other sizes are refused by flag."""
+    import pytest
+
+    from megatron_sparsebalance.training.dist import init_distributed
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    init_distributed(tensor_parallel_size=1, pipeline_parallel_size=2, backend="gloo")
+    assert parallel_state.get_pipeline_model_parallel_group() is group
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 1 differ"):
+        init_distributed(tensor_parallel_size=1, pipeline_parallel_size=1, backend="gloo")

@@ -53,3 +53,9 @@ def test_pipeline_benchmark_runs_on_cpu(tmp_path):
     assert res["rows"][0]["mean_budget"] == 4
     assert all(d["max_grad_diff"] <= 1e-6 * max(1.0, d["max_grad"]) for d in res["megatron_check"])
     assert (tmp_path / "trace_cpu_mean.json").exists()
+
+
+def test_model_parallel_groups_are_kept_across_runs():
+    """Several runs in one process (benchmarks/e2e.py) share one set of groups: re-creating them
+    per run left NCCL communicators allocated on the GPU."""
+    run_workers(pipeline_cases.groups_kept_across_calls, world=2, pp=2)
