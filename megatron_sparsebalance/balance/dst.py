@@ -25,6 +25,7 @@ How far the others grow is ``--dst-growth``:
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -137,15 +138,16 @@ class PipelineShape:
     replicas: Optional[tuple] = None
     """Micro-batches per DP replica, in the plan's order (None: all on one replica)."""
 
+    def ranges(self, n: int) -> list:
+        """``range`` of the plan's micro-batches (``n`` of them) that each DP replica runs."""
+        counts = self.replicas or (n,)
+        if sum(counts) != n or self.stages < 1:
+            raise ValueError(f"pipeline shape {self} does not fit {n} micro-batches")
+        starts = itertools.accumulate(counts, initial=0)
+        return [range(a, a + c) for a, c in zip(starts, counts)]
+
     def split(self, values: Sequence[float]) -> list:
-        counts = self.replicas or (len(values),)
-        if sum(counts) != len(values) or self.stages < 1:
-            raise ValueError(f"pipeline shape {self} does not fit {len(values)} micro-batches")
-        out, i = [], 0
-        for n in counts:
-            out.append(list(values[i:i + n]))
-            i += n
-        return out
+        return [[values[j] for j in r] for r in self.ranges(len(values))]
 
     def iteration_ms(self, stage_ms: Sequence[float]) -> float:
         """Simulated 1F1B iteration when micro-batch ``j`` costs ``stage_ms[j]`` on every stage."""
@@ -219,27 +221,22 @@ def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms
     """
     budgets = [min(k, k_base) for k in asked]
     times = [model.predict(mb, expected(mb, k)) for mb, k in zip(micro_batches, budgets)]
-    pipeline.split(times)  # refuses a shape that does not fit the plan
+    replicas = pipeline.ranges(len(times))
     one = PipelineShape(pipeline.stages)
-    replicas, first = [], 0  # (first micro-batch, count) of each DP replica
-    for count in pipeline.replicas or (len(times),):
-        replicas.append((first, count))
-        first += count
-    limit = max(one.iteration_ms(times[a:a + n]) for a, n in replicas if n) * (1 + 1e-9)
+    shrinks_ms = pipeline.iteration_ms(times)
+    limit = shrinks_ms * (1 + 1e-9)
     # ladder[j]: (budget, ms) of the candidates above k_base that micro-batch j may grow to
     ladder = {j: [(c, model.predict(micro_batches[j], c)) for c in model.candidates if k_base < c <= k]
               for j, k in enumerate(asked) if k > k_base}
     if not ladder:
-        return budgets, limit / (1 + 1e-9)
+        return budgets, shrinks_ms
 
     seen = {}  # (replica, its growers' rungs) -> fits: the bisections revisit the same rungs
 
-    def fits(step: dict, replica) -> bool:  # step: {micro-batch: ladder index}
-        a, n = replica
-        key = (a, tuple(step.get(j, -1) for j in range(a, a + n)))
+    def fits(step: dict, replica: range) -> bool:  # step: {micro-batch: ladder index}
+        key = (replica.start, tuple(step.get(j, -1) for j in replica))
         if key not in seen:
-            ms = [ladder[j][step[j]][1] if j in step else times[j] for j in range(a, a + n)]
-            seen[key] = one.iteration_ms(ms) <= limit
+            seen[key] = one.iteration_ms([ladder[j][step[j]][1] if j in step else times[j] for j in replica]) <= limit
         return seen[key]
 
     rung_ms = {j: [t for _, t in rungs] for j, rungs in ladder.items()}
@@ -255,7 +252,7 @@ def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms
     def all_fit(step: dict) -> bool:
         return all(fits(step, r) for r in touched)
 
-    touched = [r for r in replicas if any(r[0] <= j < r[0] + r[1] for j in ladder)]
+    touched = [r for r in replicas if any(j in ladder for j in r)]
     lo, hi = min(times[j] for j in ladder), anchor_ms  # at lo nothing grows: it fits
     if all_fit(at_level(hi)):
         lo = hi
@@ -264,7 +261,7 @@ def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if all_fit(at_level(mid)) else (lo, mid)
     step = at_level(lo)
-    replica_of = {j: r for r in touched for j in range(r[0], r[0] + r[1])}
+    replica_of = {j: r for r in touched for j in r}
     for j in sorted(ladder, key=lambda j: ladder[j][step[j]][1] if j in step else times[j]):
         lo_i, hi_i = step.get(j, -1), len(ladder[j]) - 1  # ladder[j][:lo_i + 1] fit
         while lo_i < hi_i:
