@@ -97,6 +97,8 @@ def test_bubble_growth_by_hand_across_replicas():
     p = plan([[100], [20], [20]], "mean", pipeline=shape, growth="bubble")
     assert p.budgets == [1, 9, 8]
     assert p.iteration_ms == pytest.approx(125.0)
+    # The balance figure itself: the paper's rule makes replica 1 the slowest (180 ms).
+    assert shape.iteration_ms(plan([[100], [20], [20]], "mean").predicted_ms) == pytest.approx(180.0)
 
 
 def test_bubble_growth_never_lengthens_the_pipeline():
@@ -116,6 +118,7 @@ def test_bubble_growth_never_lengthens_the_pipeline():
             assert k_shrunk <= k_ours <= max(k_paper, 4)
         assert ours.iteration_ms <= shape.iteration_ms([MODEL.predict(mb, k) for mb, k in zip(mbs, shrunk)]) * (1 + 1e-9)
         assert ours.iteration_ms == pytest.approx(shape.iteration_ms(ours.predicted_ms))
+        assert ours.iteration_ms <= shape.iteration_ms(paper.predicted_ms) * (1 + 1e-9)  # never slower than the paper's
         grew += sum(k > s for k, s in zip(ours.budgets, shrunk))
     assert grew > 0  # a pipeline with stragglers has idle time to grow into
 
