@@ -108,12 +108,15 @@ def iteration_flops(cfg: SparseBalanceConfig, micro_batch_lengths, budgets) -> f
 
 
 class Metrics:
-    """The iteration line, TensorBoard scalars and the summary the demo prints."""
+    """The iteration line, TensorBoard scalars, ``metrics.jsonl`` and the summary the demo prints."""
 
-    def __init__(self, cfg: SparseBalanceConfig, start_iteration: int, is_logger: bool):
+    def __init__(self, cfg: SparseBalanceConfig, start_iteration: int, is_logger: bool, jsonl_path: str | None = None):
         self.cfg, self.is_logger = cfg, is_logger
         self.start, self.t_start = start_iteration, time.perf_counter()
         self.writer = SummaryWriter(cfg.logging.tensorboard_dir) if (is_logger and cfg.logging.tensorboard_dir) else None
+        # A row per iteration, written and flushed as it is logged: a run killed by a scheduler's
+        # time limit keeps every iteration it finished.
+        self.jsonl = open(jsonl_path, "a") if jsonl_path else None
         self.history: list = []
 
     def record(self, iteration, consumed, step, elapsed_ms, lr, flops, skipped_total, nan_total, comm=None, sab_ms=0.0):
@@ -134,6 +137,9 @@ class Metrics:
             **(comm or {}),
         )
         self.history.append(row)
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
         if self.writer is not None:
             for key in ("loss", "lr", "grad_norm", "tflops_per_gpu", "elapsed_ms", "imbalance", "bubble", "mean_budget",
                         "mean_coverage", "predicted_ms", "measured_ms", "dst_ms", "sab_ms"):
@@ -178,6 +184,8 @@ class Metrics:
     def close(self):
         if self.writer is not None:
             self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
 
 
 class _Sigterm:
@@ -194,6 +202,14 @@ class _Sigterm:
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _main_params_from_model(optimizer) -> None:
+    """After loading weights without the optimizer's state: the mixed-precision optimizer (bf16)
+    copied its fp32 main weights from the random initialization when it was built, and its first
+    step would write them back over the loaded weights (a fine-tuning run that silently starts
+    from scratch). Megatron-LM refreshes them the same way."""
+    optimizer.reload_model_params()
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -239,6 +255,8 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
     resume = latest_checkpoint(ck.load) if ck.load else None
     if resume is not None:
         common = load_checkpoint(resume, trainer.model, trainer.optimizer if ck.load_optim else None)
+        if not ck.load_optim:
+            _main_params_from_model(trainer.optimizer)
         start = int(common["iteration"])
         if ck.load_optim and "scheduler" in common:
             trainer.scheduler.load_state_dict(common["scheduler"])
@@ -256,6 +274,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
         if path is None:
             raise ValueError(f"--pretrained-checkpoint {ck.pretrained_checkpoint}: no complete checkpoint there")
         load_checkpoint(path, trainer.model)
+        _main_params_from_model(trainer.optimizer)
         if rank == 0:
             print(f"initialized weights from {path}", flush=True)
     if trainer.outer is not None:
@@ -275,7 +294,8 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
               f"DST {cfg.dst.dst_anchor} (p={cfg.dst.dst_p}, growth {cfg.dst.dst_growth}), batching {cfg.batching.batching}, "
               f"latency model {type(latency).__name__}", flush=True)
 
-    metrics = Metrics(cfg, start, is_logger=rank == dist.get_world_size() - 1)
+    metrics = Metrics(cfg, start, is_logger=rank == dist.get_world_size() - 1,
+                      jsonl_path=os.path.join(log_dir, "metrics.jsonl") if rank == 0 and log_dir else None)
     if evaluator is not None:
         evaluator.log_to(log_dir, metrics.writer, metrics.is_logger)
     sigterm = _Sigterm()
@@ -344,10 +364,6 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
     if evaluator is not None:
         evaluator.finish(start, sampler.consumed_samples)
     metrics.close()
-    if rank == 0 and log_dir:
-        with open(os.path.join(log_dir, "metrics.jsonl"), "a") as f:
-            for row in metrics.history:
-                f.write(json.dumps(row) + "\n")
     return metrics.history
 
 

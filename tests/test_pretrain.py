@@ -71,6 +71,35 @@ def test_interrupted_checkpoint_is_not_the_latest(tmp_path):
     run_workers(pretrain_cases.interrupted_save, world=1, args=(str(tmp_path),))
 
 
+def test_killed_run_keeps_the_metrics_of_its_iterations(tmp_path):
+    """A run killed without warning (a scheduler's SIGKILL) keeps a metrics.jsonl row for every
+    iteration it finished, not nothing: the rows are written as they are logged."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    log_dir = str(tmp_path / "logs")
+    cmd = [sys.executable, "-m", "megatron_sparsebalance.pretrain", *pretrain_cases.TINY, "--train-iters", "100000",
+           "--log-dir", log_dir]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**env, "OMP_NUM_THREADS": "1"})
+    path = os.path.join(log_dir, "metrics.jsonl")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.isfile(path) and sum(1 for _ in open(path)) >= 3:
+                break
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    rows = [json.loads(line) for line in open(path) if line.endswith("\n")]
+    assert len(rows) >= 3
+    assert [r["iteration"] for r in rows] == list(range(1, len(rows) + 1))
+    assert all(math.isfinite(r["loss"]) and r["elapsed_ms"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("extra, match", [
     (["--dst-anchor", "avg"], "--dst-anchor must be one of"),
     (["--dst-p", "1.5"], r"--dst-p must be in \[0, 1\]"),
