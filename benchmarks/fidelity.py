@@ -11,6 +11,12 @@ evaluated on the held-out split at the fixed budget ``--moba-topk`` (training/ev
         --eval-interval 2 --eval-iters 1 --global-batch-size 4 --mock-vocab-size 64 --moba-block-size 64 \\
         --moba-topk 4 --sparse-attn-impl torch --out /tmp/fidelity            # CPU smoke (~15 s)
 
+With ``--start-iters N`` the configurations do not start from random weights: one shared start is
+trained first (dense attention, the same task at ``--start-seq-length``, default 1024 tokens) and
+every configuration loads its weights (``--pretrained-checkpoint``), as a long-context run
+continues a model pretrained on short samples; ``--start-checkpoint`` reuses an earlier call's.
+From random weights no run of a few minutes left chance at 32K (docs/BENCHMARKS.md, Fidelity).
+
 Configurations: ``dense`` (``--no-sparse-attention``), ``fixed`` (``--dst-anchor none``, samples in
 arrival order: the paper's baseline), ``fixed_seed2`` (the same with ``--seed2``: how far two
 seeds of one method land apart, the yardstick for the other gaps), ``sb_p0.1`` and ``sb_p0.2``
@@ -22,8 +28,9 @@ Flags this script does not know are passed on to every run, after its own, so th
 **Sizing (the defaults).** About 8 minutes of training per configuration on one H200: the sparse
 configurations of ``fidelity-small`` at ``--seq-length 32768`` take 0.47-0.55 s per iteration of
 16 longtail samples (measured), so 800 iterations are 380-440 s, plus start-up and evaluations.
-``--timeout-s 540`` then stops whatever still runs, so that a run's process stays under ~560 s
-(SIGTERM, then pretrain ends its iteration: up to 20 s): within a 600 s device command. Dense
+``--timeout-s 540`` then stops whatever still runs (SIGTERM; pretrain ends its iteration, saves if
+asked and evaluates a last time; killed if still there ``STOP_GRACE_S`` later): leave that
+margin inside a device command's limit. Dense
 attention is about 3x slower per iteration here (the 100-iteration run needed ~1.7 s per
 iteration) and should reach ~300 iterations by then: its row
 keeps what it logged (``stopped``, ``iterations``, ``eval_iteration``, and its eval curve, to
@@ -36,7 +43,7 @@ two commands, the second with ``--merge`` to add its rows to the first's ``fidel
 
 Measured per run: ``wall_s``, the training iterations' own time (pretrain's per-iteration
 ``elapsed_ms`` summed: no start-up, no evaluation), and ``process_wall_s``, the whole torchrun
-process. Writes ``<out>/fidelity.json`` (``{"gpu", "rows": [{"config", "tokens", "val_loss",
+process. Writes ``<out>/fidelity.json`` (``{"gpu", "start", "rows": [{"config", "tokens", "val_loss",
 "retrieval_acc", "acc_by_length", "acc_by_distance", "chance", "mean_budget", "mean_coverage",
 "wall_s", ...}]}``; ``retrieval_acc`` is the exact match per question, budgets and coverage are
 training means, None for dense), ``fidelity_loss.png``, ``fidelity_acc.png``, and keeps every
@@ -70,7 +77,8 @@ class Run:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument("--configs", nargs="*", choices=CONFIGS, default=list(CONFIGS),
+                   help="none: only train the start (--start-iters)")
     p.add_argument("--model", default="fidelity-small", help="pretrain --model preset")
     p.add_argument("--train-iters", type=int, default=800, help="about 8 minutes of the sparse runs on one H200")
     p.add_argument("--global-batch-size", type=int, default=16)
@@ -94,6 +102,21 @@ def parse_args(argv=None):
                    help="auto: --bf16 on GPUs, fp32 on the CPU")
     p.add_argument("--gpus-per-run", type=int, default=1, help="processes (GPUs) per run: PP x DP")
     p.add_argument("--pp", type=int, default=1, help="--pipeline-model-parallel-size of every run")
+    p.add_argument("--runs-per-gpu", type=int, default=1,
+                   help="runs placed on one GPU at once (small models leave a GPU mostly idle); the first "
+                        "configurations keep a GPU of their own longest, and rows say whom they shared with")
+    p.add_argument("--start-iters", type=int, default=0,
+                   help="first train one shared start this many iterations (dense, at --start-seq-length) and begin "
+                        "every configuration from its weights; 0: every configuration from random weights")
+    p.add_argument("--start-seq-length", type=int, default=1024, help="the start's --seq-length")
+    p.add_argument("--start-global-batch-size", type=int, default=None,
+                   help="the start's --global-batch-size (default: --global-batch-size)")
+    p.add_argument("--start-micro-batch-size", type=int, default=None,
+                   help="the start's --micro-batch-size (default: --micro-batch-size)")
+    p.add_argument("--start-lr", type=float, default=1e-3, help="the start's --lr")
+    p.add_argument("--start-checkpoint", default=None,
+                   help="begin every configuration from this start (the start/checkpoint folder of an earlier "
+                        "call's runs) instead of training one")
     p.add_argument("--timeout-s", type=float, default=540.0,
                    help="a run still going after this is stopped (and keeps what it logged)")
     p.add_argument("--total-timeout-s", type=float, default=None,
@@ -105,8 +128,18 @@ def parse_args(argv=None):
     p.add_argument("--runs-dir", default=None, help="run logs (default: <out>/fidelity_runs)")
     args, extra = p.parse_known_args(argv)
     args.extra = extra
+    if args.runs_per_gpu < 1:
+        p.error(f"--runs-per-gpu must be >= 1, got {args.runs_per_gpu}")
     if args.gpus_per_run < 1 or args.gpus_per_run % args.pp:
         p.error(f"--gpus-per-run ({args.gpus_per_run}) must be a positive multiple of --pp ({args.pp})")
+    if args.start_iters < 0:
+        p.error(f"--start-iters must be >= 0, got {args.start_iters}")
+    if args.start_iters and args.start_checkpoint:
+        p.error("--start-iters trains a start, --start-checkpoint takes an earlier one: give one of them")
+    if args.start_checkpoint and not os.path.isdir(args.start_checkpoint):
+        p.error(f"--start-checkpoint {args.start_checkpoint}: no such directory")
+    if not args.configs and not args.start_iters:
+        p.error("--configs is empty and there is no start to train (--start-iters): nothing to run")
     args.runs_dir = args.runs_dir or os.path.join(args.out, "fidelity_runs")
     return args
 
@@ -121,24 +154,60 @@ def config_flags(config: str) -> list:
     return ["--dst-anchor", "mean", "--dst-p", p, "--batching", "sab"]
 
 
+START = "start"
+"""The run that trains the shared start (--start-iters): its logs, and its checkpoint under ``checkpoint``."""
+
+
+def task_flags(args, bf16: bool, seed: int, seq_length: int, global_batch: int, micro_batch: int, iters: int,
+               lr: float, eval_interval: int) -> list:
+    """The model, the retrieval data and the schedule: what every run of one call shares."""
+    return [
+        "--model", args.model, "--pipeline-model-parallel-size", str(args.pp),
+        "--mock-data", "--mock-length-distribution", "longtail", "--mock-content", "retrieval",
+        "--mock-retrieval-depth", args.mock_retrieval_depth, "--mock-retrieval-records", args.mock_retrieval_records,
+        "--mock-vocab-size", str(args.mock_vocab_size),
+        "--seq-length", str(seq_length), "--global-batch-size", str(global_batch),
+        "--micro-batch-size", str(micro_batch), "--train-iters", str(iters),
+        "--moba-block-size", str(args.moba_block_size), "--moba-topk", str(args.moba_topk),
+        "--lr", str(lr), "--min-lr", str(args.min_lr), "--lr-warmup-iters", str(args.lr_warmup_iters),
+        "--lr-decay-iters", str(iters), "--seed", str(seed),
+        "--eval-interval", str(eval_interval), "--eval-iters", str(args.eval_iters),
+        "--log-interval", str(max(1, iters // 20)), *(["--bf16"] if bf16 else []),
+    ]
+
+
+def start_checkpoint(args) -> str | None:
+    """Where every configuration's weights begin: a start trained by this call, an earlier one, or none."""
+    if args.start_iters:
+        return os.path.join(args.runs_dir, START, "checkpoint")
+    return args.start_checkpoint
+
+
+def build_start(args, on_gpus: bool) -> Run:
+    """The shared start: dense attention on short samples of the same task, like the short-context
+    pretraining a long-context run continues from. Every configuration then begins from the same
+    weights, so what they learn at long lengths is what the comparison sees, and a run of a few
+    minutes need not first learn the lookup itself from random weights at 32K, where none did."""
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and on_gpus)
+    log_dir = os.path.join(args.runs_dir, START)
+    flags = [*task_flags(args, bf16, args.seed, args.start_seq_length,
+                         args.start_global_batch_size or args.global_batch_size,
+                         args.start_micro_batch_size or args.micro_batch_size, args.start_iters, args.start_lr,
+                         eval_interval=args.start_iters),
+             *config_flags("dense"), *args.extra, "--save", os.path.join(log_dir, "checkpoint")]
+    return Run(START, args.seed, flags, log_dir)
+
+
 def build_runs(args, on_gpus: bool) -> list:
     bf16 = args.precision == "bf16" or (args.precision == "auto" and on_gpus)
+    start = start_checkpoint(args)
     runs = []
     for config in args.configs:
         seed = args.seed2 if config == "fixed_seed2" else args.seed
         flags = [
-            "--model", args.model, "--pipeline-model-parallel-size", str(args.pp),
-            "--mock-data", "--mock-length-distribution", "longtail", "--mock-content", "retrieval",
-            "--mock-retrieval-depth", args.mock_retrieval_depth, "--mock-retrieval-records", args.mock_retrieval_records,
-            "--mock-vocab-size", str(args.mock_vocab_size),
-            "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size),
-            "--micro-batch-size", str(args.micro_batch_size), "--train-iters", str(args.train_iters),
-            "--moba-block-size", str(args.moba_block_size), "--moba-topk", str(args.moba_topk),
-            "--lr", str(args.lr), "--min-lr", str(args.min_lr), "--lr-warmup-iters", str(args.lr_warmup_iters),
-            "--lr-decay-iters", str(args.train_iters), "--seed", str(seed),
-            "--eval-interval", str(args.eval_interval), "--eval-iters", str(args.eval_iters),
-            "--log-interval", str(max(1, args.train_iters // 20)), *(["--bf16"] if bf16 else []),
-            *config_flags(config), *args.extra,
+            *task_flags(args, bf16, seed, args.seq_length, args.global_batch_size, args.micro_batch_size,
+                        args.train_iters, args.lr, args.eval_interval),
+            *config_flags(config), *(["--pretrained-checkpoint", start] if start else []), *args.extra,
         ]
         runs.append(Run(config, seed, flags, os.path.join(args.runs_dir, config)))
     return runs
@@ -155,8 +224,9 @@ def visible_gpus() -> list:
     return [str(i) for i in range(count)]
 
 
-def launch(run: Run, nproc: int, gpus: list) -> tuple:
-    """Start one run (torchrun, its own log dir); returns (process, start time, log file)."""
+def launch(run: Run, nproc: int, gpus: list, threads: int = 1) -> tuple:
+    """Start one run (torchrun, its own log dir) with ``threads`` CPU threads per process; returns
+    (process, start time, log file)."""
     shutil.rmtree(run.log_dir, ignore_errors=True)  # pretrain appends to metrics.jsonl / eval.jsonl
     os.makedirs(run.log_dir)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
@@ -164,8 +234,10 @@ def launch(run: Run, nproc: int, gpus: list) -> tuple:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    else:
-        env["OMP_NUM_THREADS"] = "1"  # several processes share the CPU
+    # Runs share the host: left alone, every process sizes its thread pools to all the cores. Five
+    # runs of the tiny model took 0.68 s per iteration on 4 H200s that way, and 0.17 s on one H200
+    # with a share of the cores each.
+    env["OMP_NUM_THREADS"] = str(threads)
     log = open(os.path.join(run.log_dir, "pretrain.log"), "w")
     log.write(" ".join(cmd) + "\n\n")
     log.flush()
@@ -173,9 +245,15 @@ def launch(run: Run, nproc: int, gpus: list) -> tuple:
     return proc, time.perf_counter(), log
 
 
+# After SIGTERM pretrain ends its iteration, saves (with --save) and runs its last evaluation: on
+# the GPUs that took more than 15 s for the start's checkpoint and evaluation, and a kill then
+# lost the evaluation.
+STOP_GRACE_S = 60
+
+
 def stop(proc: subprocess.Popen) -> None:
     """Stop a run: torchrun and its workers (their own process group), politely first."""
-    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
             proc.wait(timeout=grace)
@@ -186,21 +264,28 @@ def stop(proc: subprocess.Popen) -> None:
             return
 
 
-def run_all(runs: list, args, gpus: list) -> dict:
+def run_all(runs: list, args, gpus: list, deadline: float = math.inf, shared: dict | None = None) -> dict:
     """Run every configuration, ``len(gpus) // --gpus-per-run`` at a time (one after the other
     without GPUs); returns ``{config: (exit code, process seconds, stopped)}``. A run past
-    ``--timeout-s``, or still going at ``--total-timeout-s``, is stopped (SIGTERM: pretrain ends the
-    iteration it is in and exits; ``stopped`` is True); runs not started by then are left out."""
+    ``--timeout-s``, or still going at ``deadline`` (``time.perf_counter()``: the end of
+    ``--total-timeout-s``), is stopped (SIGTERM: pretrain ends the iteration it is in and exits;
+    ``stopped`` is True); runs not started by then are left out. ``shared``, if given, gets
+    ``{config: [configs that ran on one of its GPUs at the same time]}``."""
     if gpus and len(gpus) < args.gpus_per_run:
         raise SystemExit(f"--gpus-per-run {args.gpus_per_run} but only {len(gpus)} GPUs are visible")
-    slots = [gpus[i * args.gpus_per_run:(i + 1) * args.gpus_per_run] for i in range(len(gpus) // args.gpus_per_run)] or [[]]
-    deadline = time.perf_counter() + args.total_timeout_s if args.total_timeout_s else math.inf
+    own = [gpus[i * args.gpus_per_run:(i + 1) * args.gpus_per_run] for i in range(len(gpus) // args.gpus_per_run)]
+    # Second runs go to the last GPUs first: the first configurations (the baseline, then
+    # SparseBalance) keep a GPU to themselves, so their wall times stay comparable.
+    slots = (own + [slot for _ in range(args.runs_per_gpu - 1) for slot in reversed(own)]) if gpus else [[]]
+    spans = []  # (config, GPUs, start, end)
+    processes = len(slots) * args.gpus_per_run if gpus else 1
+    threads = max(1, (os.cpu_count() or 1) // processes) if gpus else 1
     pending, running, done, stopped = list(runs), {}, {}, set()
     while running or (pending and time.perf_counter() < deadline):
         for slot_id, slot in enumerate(slots):
             if slot_id not in running and pending and time.perf_counter() < deadline:
                 run = pending.pop(0)
-                running[slot_id] = (run, *launch(run, args.gpus_per_run, slot))
+                running[slot_id] = (run, *launch(run, args.gpus_per_run, slot, threads))
                 print(f"[fidelity] {run.config}: started on {'GPUs ' + ','.join(slot) if slot else 'CPU'}", flush=True)
         time.sleep(0.5)
         for slot_id, (run, proc, t0, log) in list(running.items()):
@@ -212,10 +297,15 @@ def run_all(runs: list, args, gpus: list) -> dict:
             if proc.poll() is not None:
                 log.close()
                 done[run.config] = (proc.returncode, time.perf_counter() - t0, run.config in stopped)
+                spans.append((run.config, set(slots[slot_id]), t0, time.perf_counter()))
                 del running[slot_id]
                 print(f"[fidelity] {run.config}: exit {proc.returncode} after {done[run.config][1]:.1f} s", flush=True)
     for run in pending:
         print(f"[fidelity] {run.config}: not started (--total-timeout-s)", flush=True)
+    if shared is not None:
+        for config, on, begin, end in spans:
+            shared[config] = [other for other, on2, b2, e2 in spans
+                              if other != config and on & on2 and b2 < end and begin < e2]
     return done
 
 
@@ -395,10 +485,28 @@ def main(argv=None) -> int:
     runs = build_runs(args, on_gpus=bool(gpus))
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
-    done = run_all(runs, args, gpus)
+    deadline = t0 + args.total_timeout_s if args.total_timeout_s else math.inf
+    start = None
+    if args.start_iters:
+        start_run = build_start(args, on_gpus=bool(gpus))
+        done = run_all([start_run], args, gpus, deadline)
+        start = result_row(start_run, *done.get(START, (None, 0.0, False)), args.gpus_per_run, args.pp)
+        start["checkpoint"] = start_checkpoint(args)
+        if not os.path.isfile(os.path.join(start["checkpoint"], "latest_checkpointed_iteration.txt")):
+            runs = []  # nothing to begin from: the configurations are not run
+            start.setdefault("error", "the start left no checkpoint")
+            print(f"[fidelity] the start left no checkpoint in {start['checkpoint']}: configurations not run", flush=True)
+        start["command"] = start_run.flags
+    elif args.start_checkpoint:
+        start = {"checkpoint": args.start_checkpoint}
+    shared = {}
+    done = run_all(runs, args, gpus, deadline, shared)
     rows = [result_row(r, *done.get(r.config, (None, 0.0, False)), args.gpus_per_run, args.pp) for r in runs]
+    for row in rows:
+        if shared.get(row["config"]):
+            row["shared_gpu_with"] = shared[row["config"]]  # its wall time is not comparable
     result = {**environment(), "rows": rows, "total_wall_s": time.perf_counter() - t0,
-              "settings": dict(vars(args)),
+              "settings": dict(vars(args)), "start": start,
               "commands": {r.config: r.flags for r in runs},
               "measured": "wall_s: training iterations only (sum of pretrain's elapsed_ms); process_wall_s: the "
                           "whole torchrun process (start-up, evaluations, exit); budgets and coverage: training "
@@ -415,6 +523,9 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
+    if start and "iterations" in start:
+        print(f"start (dense, {args.start_seq_length} tokens): {start['iterations']} iterations, val loss "
+              f"{start['val_loss']:.4f}, retrieval acc {start['retrieval_acc']:.3f}, {start['wall_s']:.1f} s")
     print(f"{'config':<12} {'iters':>6} {'tokens':>10} {'val loss':>9} {'acc':>6} {'tok acc':>7} {'budget':>6} "
           f"{'cover':>6} {'train s':>8}")
     for r in rows:
@@ -432,7 +543,7 @@ def main(argv=None) -> int:
         print("retrieval acc by iteration: " + " | ".join(
             f"{config} " + " ".join(f"{it}:{acc[it]:.3f}" for it in common) for config, acc in curves.items()))
     print(f"wrote {path}")
-    return 1 if any("error" in r for r in rows) else 0
+    return 1 if any("error" in r for r in rows) or (start and "error" in start) else 0
 
 
 if __name__ == "__main__":

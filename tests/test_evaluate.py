@@ -371,6 +371,57 @@ def test_fidelity_benchmark_smoke(tmp_path):
         assert os.path.getsize(os.path.join(out, png)) > 1000
 
 
+@pytest.mark.slow
+def test_fidelity_begins_every_configuration_from_the_trained_start(tmp_path):
+    from benchmarks.fidelity import main
+
+    out = str(tmp_path / "out")
+    common = ["--model", "tiny", "--seq-length", "1024", "--train-iters", "2", "--eval-interval", "2",
+              "--eval-iters", "1", "--global-batch-size", "4", "--mock-vocab-size", "64", "--moba-block-size", "64",
+              "--moba-topk", "4", "--out", out, "--sparse-attn-impl", "torch"]
+    assert main(["--configs", "fixed", "--start-iters", "3", "--start-seq-length", "512", *common]) == 0
+    result = json.load(open(os.path.join(out, "fidelity.json")))
+    start, (fixed,) = result["start"], result["rows"]
+    assert start["iterations"] == 3 and start["eval_iteration"] == 3 and 0.0 <= start["retrieval_acc"] <= 1.0
+    assert "--no-sparse-attention" in start["command"] and start["command"][start["command"].index("--seq-length") + 1] == "512"
+    assert open(os.path.join(start["checkpoint"], "latest_checkpointed_iteration.txt")).read().strip() == "3"
+    flags = result["commands"]["fixed"]
+    assert flags[flags.index("--pretrained-checkpoint") + 1] == start["checkpoint"]
+    log = open(os.path.join(fixed["log_dir"], "pretrain.log")).read()
+    assert f"initialized weights from {os.path.join(start['checkpoint'], 'iter_0000003')}" in log
+    assert fixed["iterations"] == 2 and "error" not in fixed
+
+    # An earlier call's start, given back: no new start is trained, the same weights begin the run.
+    again = str(tmp_path / "again")
+    assert main(["--configs", "dense", "--start-checkpoint", start["checkpoint"], *common[:-4], "--out", again,
+                 "--sparse-attn-impl", "torch"]) == 0
+    result = json.load(open(os.path.join(again, "fidelity.json")))
+    assert result["start"] == {"checkpoint": start["checkpoint"]} and not os.path.isdir(os.path.join(again, "fidelity_runs", "start"))
+    assert "initialized weights from" in open(os.path.join(result["rows"][0]["log_dir"], "pretrain.log")).read()
+
+
+def test_fidelity_runs_per_gpu_keep_the_first_configurations_alone(monkeypatch):
+    import subprocess
+    import time
+
+    from benchmarks import fidelity
+
+    placed = {}
+
+    def fake_launch(run, nproc, gpus, threads):  # a run that takes a second, wherever it is put
+        placed[run.config] = list(gpus)
+        return subprocess.Popen(["sleep", "1"]), time.perf_counter(), open(os.devnull, "w")
+
+    monkeypatch.setattr(fidelity, "launch", fake_launch)
+    args = fidelity.parse_args(["--configs", "fixed", "sb_p0.1", "dense", "--runs-per-gpu", "2"])
+    runs = fidelity.build_runs(args, on_gpus=True)
+    shared = {}
+    done = fidelity.run_all(runs, args, ["0", "1"], shared=shared)
+    assert set(done) == {"fixed", "sb_p0.1", "dense"} and all(rc == 0 for rc, _, _ in done.values())
+    assert placed == {"fixed": ["0"], "sb_p0.1": ["1"], "dense": ["1"]}
+    assert shared == {"fixed": [], "sb_p0.1": ["dense"], "dense": ["sb_p0.1"]}
+
+
 def test_fidelity_stops_runs_at_the_total_time_limit(tmp_path):
     from benchmarks.fidelity import main
 
@@ -454,7 +505,8 @@ def test_fidelity_runs_one_configuration_per_gpu_slot(tmp_path, monkeypatch):
 
     started = []
 
-    def fake_launch(run, nproc, gpus):
+    def fake_launch(run, nproc, gpus, threads):
+        assert threads == max(1, os.cpu_count() // 4)  # the host's cores shared by the four slots
         started.append((run.config, tuple(gpus), time.perf_counter()))
         log = open(os.path.join(tmp_path, run.config + ".log"), "w")
         return subprocess.Popen(["sleep", "1"]), time.perf_counter(), log
