@@ -19,10 +19,10 @@ class LinearCost(LatencyModel):
 MODEL = LinearCost(candidates=range(1, 17))
 
 
-def plan(mbs, anchor, model=MODEL, pipeline=None, floor=None, **kw):
+def plan(mbs, anchor, model=MODEL, pipeline=None, floor=None, replica=None, **kw):
     """The paper's growth rule unless ``growth`` says otherwise: the hand cases below are its."""
     kw.setdefault("growth", "anchor")
-    return plan_budgets(mbs, model, DSTConfig(anchor=anchor, k_base=4, **kw), pipeline, floor)
+    return plan_budgets(mbs, model, DSTConfig(anchor=anchor, k_base=4, **kw), pipeline, floor, replica)
 
 
 def test_none_is_the_fixed_budget():
@@ -121,6 +121,42 @@ def test_bubble_growth_never_lengthens_the_pipeline():
         assert ours.iteration_ms <= shape.iteration_ms(paper.predicted_ms) * (1 + 1e-9)  # never slower than the paper's
         grew += sum(k > s for k, s in zip(ours.budgets, shrunk))
     assert grew > 0  # a pipeline with stragglers has idle time to grow into
+
+
+def test_a_rank_plans_its_own_replica_alone(monkeypatch):
+    """With ``replica`` only that DP replica grows: its budgets are the whole plan's, the other
+    replicas keep their shrinks, and the simulations it runs do not grow with DP."""
+    import random
+
+    from megatron_sparsebalance.balance import dst
+
+    rng = random.Random(1)
+    batch = [[rng.choice([1, 1, 2, 3, 40])] for _ in range(16 * 4)]  # 16 replicas of 4
+    shape = PipelineShape(stages=4, replicas=(4,) * 16)
+    whole = plan(batch, "mean", pipeline=shape, growth="bubble")
+    shrinks = [min(k, 4) for k in plan(batch, "mean").budgets]
+    grew = 0
+    for r, span in enumerate(shape.ranges(len(batch))):
+        own = plan(batch, "mean", pipeline=shape, growth="bubble", replica=r)
+        assert [own.budgets[j] for j in span] == [whole.budgets[j] for j in span]
+        assert all(own.budgets[j] == shrinks[j] for j in range(len(batch)) if j not in span)
+        assert own.iteration_ms == pytest.approx(whole.iteration_ms)
+        grew += sum(whole.budgets[j] > shrinks[j] for j in span)
+    assert grew > 0
+    with pytest.raises(ValueError, match="replica 16 is not one of the pipeline's 16 DP replicas"):
+        plan(batch, "mean", pipeline=shape, growth="bubble", replica=16)
+
+    calls = []
+    real = dst.simulate_iteration
+    monkeypatch.setattr(dst, "simulate_iteration", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def simulations(times: int, replica) -> int:  # the same 16 replicas, repeated: DP = 16 x times
+        calls.clear()
+        plan(batch * times, "mean", pipeline=PipelineShape(4, (4,) * 16 * times), growth="bubble", replica=replica)
+        return len(calls)
+
+    assert simulations(1, 0) == simulations(8, 0) > 0  # one rank's plan: independent of DP
+    assert simulations(8, None) > 4 * simulations(1, None)  # the whole plan: grows with DP
 
 
 def test_coverage_floor_learns_what_the_layers_kept():

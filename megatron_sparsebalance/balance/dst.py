@@ -165,7 +165,8 @@ def _anchor(times: Sequence[float], anchor: str) -> float:
 
 
 def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfig,
-                 pipeline: Optional[PipelineShape] = None, floor: Optional[CoverageFloor] = None) -> BudgetPlan:
+                 pipeline: Optional[PipelineShape] = None, floor: Optional[CoverageFloor] = None,
+                 replica: Optional[int] = None) -> BudgetPlan:
     """Budgets of all micro-batches of a global batch (all DP ranks).
 
     Args:
@@ -177,6 +178,10 @@ def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfi
             simulates them); default: no pipeline, where no growth is free.
         floor: what the coverage bound is expected to keep of a shrink (with ``p`` set);
             default: a shrink is expected to be taken as asked.
+        replica: with ``bubble`` growth, grow only this DP replica's micro-batches (the one a
+            rank runs); the others keep their shrinks. A replica's growth depends on the
+            shrinks of all and on its own micro-batches alone, so its budgets are the same as in
+            the whole plan, at a cost that does not grow with DP. Default: every replica.
     """
     config.validate()
     if config.anchor != "none" and config.k_base not in model.candidates:
@@ -197,7 +202,7 @@ def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfi
     iteration_ms = None
     if config.growth == "bubble":
         budgets, iteration_ms = _grow_into_bubbles(micro_batches, model, config.k_base, budgets, target,
-                                                   pipeline or PipelineShape(), expected)
+                                                   pipeline or PipelineShape(), expected, replica)
     kept = [expected(mb, k) for mb, k in zip(micro_batches, budgets)]
     predicted = [model.predict(mb, k) for mb, k in zip(micro_batches, kept)]
     notes = [f"micro-batch {i}: even k_min={model.k_min} is predicted above the anchor"
@@ -206,28 +211,32 @@ def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfi
 
 
 def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms: float,
-                       pipeline: PipelineShape, expected) -> tuple:
+                       pipeline: PipelineShape, expected, only: Optional[int] = None) -> tuple:
     """Shrinks as ``asked`` (priced at what the layers are ``expected`` to keep); growth only as
     far as the simulated iteration stays as short as with the shrinks alone. Returns
     ``(budgets, simulated iteration ms)``.
 
-    Two passes, both bisections (the simulated time never falls when a micro-batch costs more):
-    first every micro-batch below the anchor grows to one common time level, the anchor lowered
-    until the iteration fits, so equal micro-batches get equal budgets; then each, lightest
-    first, grows further into whatever idle time its own stage slots still have. The iteration is
-    the slowest DP replica's and a budget changes only its own replica's pipeline, so every
-    check simulates one replica per change against the shrinks' iteration; each grower's budget
-    ladder is priced once.
+    The iteration is the slowest DP replica's, and a budget changes only its own replica's
+    pipeline: so the limit is the shrinks' iteration over every replica, and each replica grows
+    on its own against it (``only``: just that replica). Two passes per replica, both bisections
+    (the simulated time never falls when a micro-batch costs more): first its growers rise to one
+    common time level, the anchor lowered until the replica fits, so its equal micro-batches get
+    equal budgets; then each, lightest first, grows further into whatever idle time its own
+    stage slots still have. Every check simulates the one replica, and is cached; each grower's
+    budget ladder is priced once.
     """
     budgets = [min(k, k_base) for k in asked]
     times = [model.predict(mb, expected(mb, k)) for mb, k in zip(micro_batches, budgets)]
     replicas = pipeline.ranges(len(times))
+    if only is not None and not 0 <= only < len(replicas):
+        raise ValueError(f"replica {only} is not one of the pipeline's {len(replicas)} DP replicas")
     one = PipelineShape(pipeline.stages)
     shrinks_ms = pipeline.iteration_ms(times)
     limit = shrinks_ms * (1 + 1e-9)
+    growing = [r for i, r in enumerate(replicas) if only is None or i == only]
     # ladder[j]: (budget, ms) of the candidates above k_base that micro-batch j may grow to
-    ladder = {j: [(c, model.predict(micro_batches[j], c)) for c in model.candidates if k_base < c <= k]
-              for j, k in enumerate(asked) if k > k_base}
+    ladder = {j: [(c, model.predict(micro_batches[j], c)) for c in model.candidates if k_base < c <= asked[j]]
+              for r in growing for j in r if asked[j] > k_base}
     if not ladder:
         return budgets, shrinks_ms
 
@@ -241,34 +250,35 @@ def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms
 
     rung_ms = {j: [t for _, t in rungs] for j, rungs in ladder.items()}
 
-    def at_level(level_ms: float) -> dict:  # each grower's highest rung within the level
+    def at_level(growers: list, level_ms: float) -> dict:  # each grower's highest rung within the level
         step = {}
-        for j, ms in rung_ms.items():
-            i = bisect.bisect_right(ms, level_ms) - 1
+        for j in growers:
+            i = bisect.bisect_right(rung_ms[j], level_ms) - 1
             if i >= 0:
                 step[j] = i
         return step
 
-    def all_fit(step: dict) -> bool:
-        return all(fits(step, r) for r in touched)
-
-    touched = [r for r in replicas if any(j in ladder for j in r)]
-    lo, hi = min(times[j] for j in ladder), anchor_ms  # at lo nothing grows: it fits
-    if all_fit(at_level(hi)):
-        lo = hi
-    else:
-        for _ in range(16):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if all_fit(at_level(mid)) else (lo, mid)
-    step = at_level(lo)
-    replica_of = {j: r for r in touched for j in r}
-    for j in sorted(ladder, key=lambda j: ladder[j][step[j]][1] if j in step else times[j]):
-        lo_i, hi_i = step.get(j, -1), len(ladder[j]) - 1  # ladder[j][:lo_i + 1] fit
-        while lo_i < hi_i:
-            mid = (lo_i + hi_i + 1) // 2
-            lo_i, hi_i = (mid, hi_i) if fits({**step, j: mid}, replica_of[j]) else (lo_i, mid - 1)
-        if lo_i >= 0:
-            step[j] = lo_i
-    for j, i in step.items():
-        budgets[j], times[j] = ladder[j][i]
-    return budgets, pipeline.iteration_ms(times)
+    for replica in growing:
+        growers = [j for j in replica if j in ladder]
+        if not growers:
+            continue
+        lo, hi = min(times[j] for j in growers), anchor_ms  # at lo nothing grows: it fits
+        if fits(at_level(growers, hi), replica):
+            lo = hi
+        else:
+            for _ in range(16):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if fits(at_level(growers, mid), replica) else (lo, mid)
+        step = at_level(growers, lo)
+        for j in sorted(growers, key=lambda j: ladder[j][step[j]][1] if j in step else times[j]):
+            lo_i, hi_i = step.get(j, -1), len(ladder[j]) - 1  # ladder[j][:lo_i + 1] fit
+            while lo_i < hi_i:
+                mid = (lo_i + hi_i + 1) // 2
+                lo_i, hi_i = (mid, hi_i) if fits({**step, j: mid}, replica) else (lo_i, mid - 1)
+            if lo_i >= 0:
+                step[j] = lo_i
+        for j, i in step.items():
+            budgets[j], times[j] = ladder[j][i]
+    # Growing one replica moves the iteration by at most the check's 1e-9 slack: no second
+    # simulation of every replica for one rank's plan.
+    return budgets, pipeline.iteration_ms(times) if only is None else shrinks_ms

@@ -45,6 +45,7 @@ def pipeline_plans(
     latency_model=None,
     pipeline_stages: int = 1,
     coverage_floor: Optional[CoverageFloor] = None,
+    dp_rank: Optional[int] = None,
 ) -> list[PipelinePlan]:
     """Plans of every DP rank for one global batch (the same on every rank: no communication).
 
@@ -53,6 +54,9 @@ def pipeline_plans(
         latency_model: needed unless ``dst.anchor == 'none'``; its predictions go into the plan.
         pipeline_stages: stages per DP replica (DST's ``bubble`` growth simulates the pipeline).
         coverage_floor: what the layers' coverage bound is expected to keep of a shrink.
+        dp_rank: the rank asking. Only its own replica's micro-batches grow into bubbles (the
+            growth that matters to it, at a cost independent of DP); the other ranks' plans keep
+            their shrinks. Default: every replica's.
     """
     flat = [mb for rank in micro_batch_lengths for mb in rank]
     if dst.anchor == "none" and latency_model is None:
@@ -61,7 +65,7 @@ def pipeline_plans(
         if latency_model is None:
             raise ValueError(f"--dst-anchor {dst.anchor} needs a latency model (--latency-table or the analytic model)")
         shape = PipelineShape(pipeline_stages, tuple(len(rank) for rank in micro_batch_lengths))
-        decision = plan_budgets(flat, latency_model, dst, shape, coverage_floor)
+        decision = plan_budgets(flat, latency_model, dst, shape, coverage_floor, dp_rank)
         budgets, predicted = decision.budgets, decision.predicted_ms
     plans, i = [], 0
     for rank in micro_batch_lengths:

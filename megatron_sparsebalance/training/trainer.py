@@ -99,7 +99,8 @@ class Trainer:
         self.latency_model, self.calibrate = latency_model, calibrate
         # What the layers' coverage bound keeps of DST's shrinks, learned from the measured steps.
         self.coverage_floor = CoverageFloor() if dst.anchor != "none" and dst.p is not None else None
-        self._plans: list = []  # every DP rank's plan of the current global batch
+        # Every DP rank's plan of the current global batch; only this rank's own grows into bubbles.
+        self._plans: list = []
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.config = transformer_config(shape, pipeline_parallel_size=pp, tensor_parallel_size=tp, bf16=bf16,
@@ -149,9 +150,11 @@ class Trainer:
 
     def plan(self, micro_batch_lengths: Sequence[Sequence[Sequence[int]]]) -> PipelinePlan:
         """This DP rank's plan for a global batch (``[dp_rank][micro_batch] -> lengths``)."""
+        dp_rank = parallel_state.get_data_parallel_rank()
         self._plans = pipeline_plans(micro_batch_lengths, self.shape.hidden_size, self.dst, self.latency_model,
-                                     parallel_state.get_pipeline_model_parallel_world_size(), self.coverage_floor)
-        return self._plans[parallel_state.get_data_parallel_rank()]
+                                     parallel_state.get_pipeline_model_parallel_world_size(), self.coverage_floor,
+                                     dp_rank)
+        return self._plans[dp_rank]
 
     def train_step(self, micro_batch_lengths, batches, measure: bool = True) -> StepResult:
         """One global batch: plan, 1F1B forward/backward, optimizer step, calibration."""
