@@ -212,3 +212,17 @@ def test_coverage_fallback_in_the_layer():
     assert tight.k_used > k_straggler
     assert tight.coverage_base - tight.coverage_used <= 0.05 + 1e-6
     assert loose.coverage_base - loose.coverage_used > 0.05
+
+
+def test_plan_cost_benchmark_runs_and_writes_its_rows(tmp_path):
+    import json
+    import os
+
+    from benchmarks.dst_plan_cost import main
+
+    out = tmp_path / "cost.json"
+    table = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "e2e", "latency_table_h200.json")
+    rows = main(["--dp", "1", "4", "--dist", "bimodal", "--repeats", "1", "--latency-table", table, "--out", str(out)])
+    assert [(r["dist"], r["dp"], r["micro_batches"]) for r in rows] == [("bimodal", 1, 4), ("bimodal", 4, 16)]
+    assert all(r[k] > 0 for r in rows for k in ("anchor_rule_ms", "whole_plan_ms", "own_replica_ms"))
+    assert json.load(open(out))["rows"] == rows
