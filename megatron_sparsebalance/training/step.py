@@ -47,7 +47,8 @@ def pipeline_plans(
     coverage_floor: Optional[CoverageFloor] = None,
     dp_rank: Optional[int] = None,
 ) -> list[PipelinePlan]:
-    """Plans of every DP rank for one global batch (the same on every rank: no communication).
+    """Plans of every DP rank for one global batch, computed by every rank from the same inputs (no
+    communication): each rank's own plan is the one that rank computes for itself.
 
     Args:
         micro_batch_lengths: ``[dp_rank][micro_batch] -> sequence lengths``.
