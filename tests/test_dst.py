@@ -118,6 +118,7 @@ def test_bubble_growth_never_lengthens_the_pipeline():
             assert k_shrunk <= k_ours <= max(k_paper, 4)
         assert ours.iteration_ms <= shape.iteration_ms([MODEL.predict(mb, k) for mb, k in zip(mbs, shrunk)]) * (1 + 1e-9)
         assert ours.iteration_ms == pytest.approx(shape.iteration_ms(ours.predicted_ms))
+        assert ours.predicted_ms == [MODEL.predict(mb, k) for mb, k in zip(mbs, ours.expected_budgets)]
         assert ours.iteration_ms <= shape.iteration_ms(paper.predicted_ms) * (1 + 1e-9)  # never slower than the paper's
         grew += sum(k > s for k, s in zip(ours.budgets, shrunk))
     assert grew > 0  # a pipeline with stragglers has idle time to grow into

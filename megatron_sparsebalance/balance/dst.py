@@ -199,12 +199,12 @@ def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfi
             return k
         return min(config.k_base, max(k, floor.budget(mb)))
 
-    iteration_ms = None
-    if config.growth == "bubble":
-        budgets, iteration_ms = _grow_into_bubbles(micro_batches, model, config.k_base, budgets, target,
-                                                   pipeline or PipelineShape(), expected, replica)
+    if config.growth == "bubble":  # its predictions are at the kept budgets already
+        budgets, predicted, iteration_ms = _grow_into_bubbles(micro_batches, model, config.k_base, budgets, target,
+                                                              pipeline or PipelineShape(), expected, replica)
     kept = [expected(mb, k) for mb, k in zip(micro_batches, budgets)]
-    predicted = [model.predict(mb, k) for mb, k in zip(micro_batches, kept)]
+    if config.growth != "bubble":
+        predicted, iteration_ms = [model.predict(mb, k) for mb, k in zip(micro_batches, kept)], None
     notes = [f"micro-batch {i}: even k_min={model.k_min} is predicted above the anchor"
              for i, (t, k) in enumerate(zip(predicted, budgets)) if k == model.k_min and t > target]
     return BudgetPlan(budgets, base, predicted, target, config.k_base, config.p, notes, iteration_ms, kept)
@@ -214,7 +214,7 @@ def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms
                        pipeline: PipelineShape, expected, only: Optional[int] = None) -> tuple:
     """Shrinks as ``asked`` (priced at what the layers are ``expected`` to keep); growth only as
     far as the simulated iteration stays as short as with the shrinks alone. Returns
-    ``(budgets, simulated iteration ms)``.
+    ``(budgets, predicted ms at what the layers are expected to keep, simulated iteration ms)``.
 
     The iteration is the slowest DP replica's, and a budget changes only its own replica's
     pipeline: so the limit is the shrinks' iteration over every replica, and each replica grows
@@ -238,7 +238,7 @@ def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms
     ladder = {j: [(c, model.predict(micro_batches[j], c)) for c in model.candidates if k_base < c <= asked[j]]
               for r in growing for j in r if asked[j] > k_base}
     if not ladder:
-        return budgets, shrinks_ms
+        return budgets, times, shrinks_ms
 
     seen = {}  # (replica, its growers' rungs) -> fits: the bisections revisit the same rungs
 
@@ -281,4 +281,4 @@ def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms
             budgets[j], times[j] = ladder[j][i]
     # Growing one replica moves the iteration by at most the check's 1e-9 slack: no second
     # simulation of every replica for one rank's plan.
-    return budgets, pipeline.iteration_ms(times) if only is None else shrinks_ms
+    return budgets, times, pipeline.iteration_ms(times) if only is None else shrinks_ms
