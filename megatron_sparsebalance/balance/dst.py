@@ -181,7 +181,7 @@ def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfi
         replica: with ``bubble`` growth, grow only this DP replica's micro-batches (the one a
             rank runs); the others keep their shrinks. A replica's growth depends on the
             shrinks of all and on its own micro-batches alone, so its budgets are the same as in
-            the whole plan, at a cost that does not grow with DP. Default: every replica.
+            the whole plan, and the growth costs the same at any DP. Default: every replica.
     """
     config.validate()
     if config.anchor != "none" and config.k_base not in model.candidates:

@@ -56,7 +56,7 @@ def pipeline_plans(
         pipeline_stages: stages per DP replica (DST's ``bubble`` growth simulates the pipeline).
         coverage_floor: what the layers' coverage bound is expected to keep of a shrink.
         dp_rank: the rank asking. Only its own replica's micro-batches grow into bubbles (the
-            growth that matters to it, at a cost independent of DP); the other ranks' plans keep
+            growth that matters to it, whose cost does not grow with DP); the other ranks' plans keep
             their shrinks. Default: every replica's.
     """
     flat = [mb for rank in micro_batch_lengths for mb in rank]
