@@ -204,14 +204,6 @@ class _Sigterm:
         return bool(flag.item())
 
 
-def _main_params_from_model(optimizer) -> None:
-    """After loading weights without the optimizer's state: the mixed-precision optimizer (bf16)
-    copied its fp32 main weights from the random initialization when it was built, and its first
-    step would write them back over the loaded weights (a fine-tuning run that silently starts
-    from scratch). Megatron-LM refreshes them the same way."""
-    optimizer.reload_model_params()
-
-
 # ---- the run -------------------------------------------------------------------------------
 
 
@@ -254,9 +246,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
     ck = cfg.checkpoint
     resume = latest_checkpoint(ck.load) if ck.load else None
     if resume is not None:
-        common = load_checkpoint(resume, trainer.model, trainer.optimizer if ck.load_optim else None)
-        if not ck.load_optim:
-            _main_params_from_model(trainer.optimizer)
+        common = load_checkpoint(resume, trainer.model, trainer.optimizer, optimizer_state=ck.load_optim)
         start = int(common["iteration"])
         if ck.load_optim and "scheduler" in common:
             trainer.scheduler.load_state_dict(common["scheduler"])
@@ -273,8 +263,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
         path = latest_checkpoint(ck.pretrained_checkpoint)
         if path is None:
             raise ValueError(f"--pretrained-checkpoint {ck.pretrained_checkpoint}: no complete checkpoint there")
-        load_checkpoint(path, trainer.model)
-        _main_params_from_model(trainer.optimizer)
+        load_checkpoint(path, trainer.model, trainer.optimizer, optimizer_state=False)
         if rank == 0:
             print(f"initialized weights from {path}", flush=True)
     if trainer.outer is not None:

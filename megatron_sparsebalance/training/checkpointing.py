@@ -122,26 +122,35 @@ def latest_checkpoint(root: str) -> Optional[str]:
     return path
 
 
-def load_checkpoint(path: str, model, optimizer=None, strict: bool = True) -> dict:
+def load_checkpoint(path: str, model, optimizer=None, strict: bool = True, optimizer_state: bool = True) -> dict:
     """Load model (and optimizer) state into ``model``; returns the checkpoint's common state.
 
     The model may have another TP/PP layout than the one that saved: dist_checkpointing reshards.
+    With ``optimizer`` and ``optimizer_state`` its state and the RNG states are restored too (a
+    resume); with ``optimizer_state=False`` only the weights are loaded and the optimizer's main
+    weights are refreshed from them: in bf16 the mixed-precision optimizer copied its fp32 main
+    weights from the random initialization when it was built, and its first step would write those
+    back over the loaded weights (a fine-tuning run that silently starts from scratch). Megatron-LM
+    refreshes them the same way.
     """
     if not os.path.exists(os.path.join(path, COMPLETE)):
         raise ValueError(f"{path} is not a complete checkpoint (no '{COMPLETE}' marker)")
+    resume = optimizer is not None and optimizer_state
     inner = unwrap_model(model)
     model_sd = inner.sharded_state_dict()
     request: dict[str, Any] = {"model": model_sd}
-    if optimizer is not None:
+    if resume:
         request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
     loaded = dist_checkpointing.load(request, path)
     common = dist_checkpointing.load_common_state_dict(path).get("common", {})
     if common.get("format") != FORMAT:
         raise ValueError(f"{path} is not a megatron-sparsebalance checkpoint (format {common.get('format')!r})")
     inner.load_state_dict(loaded["model"], strict=strict)
-    if optimizer is not None:
+    if resume:
         optimizer.load_state_dict(loaded["optimizer"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()
     rng = os.path.join(path, f"rng_rank{_rank()}.pt")
-    if optimizer is not None and os.path.exists(rng):
+    if resume and os.path.exists(rng):
         set_rng_state(torch.load(rng, weights_only=False))
     return common
