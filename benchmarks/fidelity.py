@@ -158,9 +158,10 @@ START = "start"
 """The run that trains the shared start (--start-iters): its logs, and its checkpoint under ``checkpoint``."""
 
 
-def task_flags(args, bf16: bool, seed: int, seq_length: int, global_batch: int, micro_batch: int, iters: int,
+def task_flags(args, on_gpus: bool, seed: int, seq_length: int, global_batch: int, micro_batch: int, iters: int,
                lr: float, eval_interval: int) -> list:
     """The model, the retrieval data and the schedule: what every run of one call shares."""
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and on_gpus)
     return [
         "--model", args.model, "--pipeline-model-parallel-size", str(args.pp),
         "--mock-data", "--mock-length-distribution", "longtail", "--mock-content", "retrieval",
@@ -188,9 +189,8 @@ def build_start(args, on_gpus: bool) -> Run:
     pretraining a long-context run continues from. Every configuration then begins from the same
     weights, so what they learn at long lengths is what the comparison sees, and a run of a few
     minutes need not first learn the lookup itself from random weights at 32K, where none did."""
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and on_gpus)
     log_dir = os.path.join(args.runs_dir, START)
-    flags = [*task_flags(args, bf16, args.seed, args.start_seq_length,
+    flags = [*task_flags(args, on_gpus, args.seed, args.start_seq_length,
                          args.start_global_batch_size or args.global_batch_size,
                          args.start_micro_batch_size or args.micro_batch_size, args.start_iters, args.start_lr,
                          eval_interval=args.start_iters),
@@ -199,13 +199,12 @@ def build_start(args, on_gpus: bool) -> Run:
 
 
 def build_runs(args, on_gpus: bool) -> list:
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and on_gpus)
     start = start_checkpoint(args)
     runs = []
     for config in args.configs:
         seed = args.seed2 if config == "fixed_seed2" else args.seed
         flags = [
-            *task_flags(args, bf16, seed, args.seq_length, args.global_batch_size, args.micro_batch_size,
+            *task_flags(args, on_gpus, seed, args.seq_length, args.global_batch_size, args.micro_batch_size,
                         args.train_iters, args.lr, args.eval_interval),
             *config_flags(config), *(["--pretrained-checkpoint", start] if start else []), *args.extra,
         ]
