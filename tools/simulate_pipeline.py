@@ -79,8 +79,9 @@ def simulate_configs(batches, latency, pp: int, dp: int, micro_batches: int, k_b
             plan = batcher.plan(lengths)
             mbs = plan.all_micro_batch_lengths()
             dst = DSTConfig(anchor=anchor, p=None, k_base=k_base, growth=growth)
-            budgets = plan_budgets(mbs, latency, dst, PipelineShape(pp, (micro_batches,) * dp)).budgets
-            cost = [pp * latency.predict(mb, k) for mb, k in zip(mbs, budgets)]
+            decision = plan_budgets(mbs, latency, dst, PipelineShape(pp, (micro_batches,) * dp))
+            budgets = decision.budgets
+            cost = [pp * t for t in decision.predicted_ms]  # p is None: priced at the budgets asked
             m = micro_batches
             # As in pretrain: SAB's estimator learns the budgets DST gave, for the next batches.
             batcher.update(plan, [budgets[d * m:(d + 1) * m] for d in range(dp)])
