@@ -99,6 +99,17 @@ def test_bubble_growth_by_hand_across_replicas():
     assert p.iteration_ms == pytest.approx(125.0)
     # The balance figure itself: the paper's rule makes replica 1 the slowest (180 ms).
     assert shape.iteration_ms(plan([[100], [20], [20]], "mean").predicted_ms) == pytest.approx(180.0)
+    # Imbalance (max / mean micro-batch time) and replica 1's idle share of the iteration, by hand:
+    # fixed budget 200 / 93.3 = 2.14, replica 1 idle 1 - 80/200 = 60%; the paper's rule 125 / 101.7
+    # = 1.23 but a 180 ms iteration; bubble growth 125 / 83.3 = 1.50 with replica 1 idle 0%.
+    def imbalance(times):
+        return max(times) / (sum(times) / len(times))
+
+    fixed = plan([[100], [20], [20]], "none").predicted_ms
+    paper = plan([[100], [20], [20]], "mean").predicted_ms
+    assert (imbalance(fixed), imbalance(paper), imbalance(p.predicted_ms)) == pytest.approx((2.142857, 1.229508, 1.5))
+    assert 1 - sum(fixed[1:]) / shape.iteration_ms(fixed) == pytest.approx(0.6)
+    assert 1 - sum(p.predicted_ms[1:]) / p.iteration_ms == pytest.approx(0.0)
 
 
 def test_bubble_growth_never_lengthens_the_pipeline():
