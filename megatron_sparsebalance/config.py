@@ -25,7 +25,7 @@ from megatron_sparsebalance.attention.config import SparseAttentionConfig
 from megatron_sparsebalance.balance.dst import ANCHORS, DSTConfig
 from megatron_sparsebalance.balance.sab import BatchingConfig
 from megatron_sparsebalance.data.datasets import DataConfig
-from megatron_sparsebalance.training.model import MODEL_PRESETS, ModelShape
+from megatron_sparsebalance.training.model import MODEL_PRESETS, ModelShape, RecomputeSettings
 from megatron_sparsebalance.training.outer_sync import DPCommConfig
 from megatron_sparsebalance.training.step import pipeline_layer_split
 from megatron_sparsebalance.training.trainer import OptimSettings
@@ -196,7 +196,7 @@ GROUPS = {
     "model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "optim": OptimSettings,
     "data": DataConfig, "batching": BatchingConfig, "sparse": SparseAttentionConfig, "dst": DSTFlags,
     "latency": LatencyFlags, "checkpoint": CheckpointFlags, "logging": LoggingFlags, "dp_comm": DPCommConfig,
-    "eval": EvalFlags,
+    "eval": EvalFlags, "recompute": RecomputeSettings,
 }
 
 
@@ -215,6 +215,7 @@ class SparseBalanceConfig:
     logging: LoggingFlags = field(default_factory=LoggingFlags)
     dp_comm: DPCommConfig = field(default_factory=DPCommConfig)
     eval: EvalFlags = field(default_factory=EvalFlags)
+    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
 
     # ---- derived ---------------------------------------------------------------------------
 
@@ -273,6 +274,7 @@ class SparseBalanceConfig:
         self.sparse.validate()
         self.dst_config().validate()
         self.dp_comm.validate(self.optim.use_distributed_optimizer)
+        self.recompute.validate()
         par, tr = self.parallel, self.training
         if par.tensor_model_parallel_size != 1:
             raise ValueError("--tensor-model-parallel-size > 1 is not supported yet (use PP and DP); got "
@@ -405,8 +407,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 else:
                     group.add_argument(_flag(f.name), dest=dest, action="store_true", help=help_text)
             elif typ is tuple or typing.get_origin(typ) is tuple:
-                group.add_argument(_flag(f.name), dest=dest, type=int, nargs="+", default=default, help=help_text,
-                                   metavar="N")
+                item = (typing.get_args(typ) or (int,))[0]  # bare ``tuple`` fields hold ints
+                group.add_argument(_flag(f.name), dest=dest, type=item, nargs="+", default=default, help=help_text,
+                                   metavar="N" if item is int else item.__name__.upper())
             else:
                 group.add_argument(_flag(f.name), dest=dest, type=typ, default=default, help=help_text,
                                    metavar=typ.__name__.upper())

@@ -67,7 +67,8 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
         impl = resolve_impl(cfg.sparse.sparse_attn_impl, device)
         expect = latency_metadata(shape, cfg.sparse.moba_block_size, nl, "bfloat16" if cfg.training.bf16 else "float32",
                                   kernel_impl=impl, pipeline_parallel_size=cfg.parallel.pipeline_model_parallel_size,
-                                  gpu=None if device.type == "cuda" else "cpu")
+                                  gpu=None if device.type == "cuda" else "cpu",
+                                  recompute=cfg.recompute.transformer_config_kwargs())
         # The plan must be the same on every rank, so all stages plan with one table; which stage
         # it was profiled on is not part of the match.
         for key in ("pre_process", "post_process"):
@@ -234,7 +235,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
     trainer = Trainer(shape, cfg.sparse, cfg.dst_config(), cfg.optim, max_sequence_length=cfg.data.seq_length,
                       bf16=cfg.training.bf16, latency_model=latency, dp_comm=cfg.dp_comm,
                       first_stage_layers=cfg.parallel.decoder_first_pipeline_num_layers,
-                      last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers)
+                      last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers, recompute=cfg.recompute)
     evaluator = Evaluator(cfg, trainer, batcher) if cfg.eval.enabled else None  # before a resume changes the batcher
     # Bytes are counted per stage; a replica is all its pipeline stages.
     pp_group = parallel_state.get_pipeline_model_parallel_group()

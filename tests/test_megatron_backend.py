@@ -102,3 +102,25 @@ def test_gpt_with_sparse_attention_trains_on_cpu():
         losses.append(loss.item())
     assert len(report.layers) == shape.num_layers and report.mean_budget() == 2
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("granularity, method, layers, modules, attention_recomputed", [
+    ("full", "uniform", 1, None, True),
+    ("full", "block", 1, None, True),
+    ("selective", None, None, ("core_attn",), True),
+    ("selective", None, None, ("mlp",), False),
+])
+def test_recomputed_layers_route_as_their_forward_did(granularity, method, layers, modules, attention_recomputed):
+    """Activation recomputation: gradients equal those without it when the backward runs in the
+    micro-batch's budget scope (as the schedule runs it); where the attention itself is recomputed,
+    they differ without that scope (so the first check can fail)."""
+    from megatron_sparsebalance.training.model import RecomputeSettings
+    from tests.checks import recompute_gradient_errors
+
+    settings = RecomputeSettings(granularity, method, layers, modules)
+    in_scope, outside = recompute_gradient_errors("cpu", "torch", recompute=settings)
+    assert in_scope < 1e-5, in_scope
+    if attention_recomputed:
+        assert outside > 1e-2, outside
+    else:
+        assert outside < 1e-5, outside

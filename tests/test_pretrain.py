@@ -35,6 +35,22 @@ def test_pp2_loss_falls_and_logs_parse(tmp_path):
     assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
 
 
+def test_recomputed_layers_route_with_the_micro_batch_budget(tmp_path):
+    """Full activation recomputation runs each layer's forward again inside backward: with the
+    schedule's budget scope re-opened there, training is the same as without recomputation, loss
+    for loss, while DST moves budgets away from --moba-topk (else the test would prove nothing)."""
+    # samples up to 64 blocks: a budget below a sequence's block count changes which blocks it sees
+    base = pretrain_cases.TINY + PP2 + ["--train-iters", "4", "--seq-length", "4096"]
+    plain, recomputed = str(tmp_path / "plain.json"), str(tmp_path / "recomputed.json")
+    run_workers(pretrain_cases.run, world=2, pp=2, args=(base, plain))
+    run_workers(pretrain_cases.run, world=2, pp=2, args=(base + ["--recompute-granularity", "full", "--recompute-method",
+                                                                 "uniform", "--recompute-num-layers", "1"], recomputed))
+    a, b = json.load(open(plain)), json.load(open(recomputed))
+    assert any(r["mean_budget"] != 4 for r in a), [r["mean_budget"] for r in a]
+    assert [r["mean_budget"] for r in b] == [r["mean_budget"] for r in a]
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5, abs=0)
+
+
 def test_iteration_line_parses():
     from megatron_sparsebalance.config import parse_config
     from megatron_sparsebalance.pretrain import Metrics
@@ -107,6 +123,10 @@ def test_killed_run_keeps_the_metrics_of_its_iterations(tmp_path):
     (["--moba-topk", "64"], "--moba-topk .64. is larger than a sequence can use"),
     (["--pipeline-model-parallel-size", "3"], "world size 1 is not divisible by .* = 3"),
     (["--latency-table", "/nonexistent.json"], "--latency-table /nonexistent.json: no such file"),
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method uniform or block"),
+    (["--recompute-modules", "mlp"], "--recompute-modules goes with --recompute-granularity selective"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
+     "--recompute-modules must be core_attn and/or mlp, got .'layernorm'. .megatron-core's layernorm recompute needs"),
 ])
 def test_bad_flags_name_the_flag(extra, match):
     rc, err = run_pretrain(pretrain_cases.TINY + ["--train-iters", "1"] + extra)

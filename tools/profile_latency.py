@@ -39,7 +39,7 @@ from megatron_sparsebalance.ops.implementations import IMPLEMENTATIONS, resolve_
 from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
 from megatron_sparsebalance.training.dist import init_distributed
 from megatron_sparsebalance.training.manual_gc import ManualGC
-from megatron_sparsebalance.training.model import MODEL_PRESETS, build_gpt_model, transformer_config
+from megatron_sparsebalance.training.model import MODEL_PRESETS, RecomputeSettings, build_gpt_model, transformer_config
 
 GRID_HELP = """\
 Grid choice. Lengths: powers of two from 1K to 64K by default (the range of the paper's data
@@ -87,6 +87,7 @@ class StageProfiler:
         device: Optional[str] = None,
         seed: int = 1234,
         min_time_s: float = 0.0,
+        recompute: Optional[RecomputeSettings] = None,
     ):
         self.min_time_s = min_time_s
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -107,7 +108,8 @@ class StageProfiler:
 
             model_parallel_cuda_manual_seed(seed)
         self.sparse = SparseAttentionConfig(moba_block_size=block_size, sparse_attn_impl=self.impl).validate()
-        config = transformer_config(self.shape, bf16=self.bf16, num_layers=layers_per_stage)
+        self.recompute = recompute or RecomputeSettings()
+        config = transformer_config(self.shape, bf16=self.bf16, num_layers=layers_per_stage, recompute=self.recompute)
         self.model = build_gpt_model(
             self.shape, self.sparse, config, max_sequence_length=max_length,
             pre_process=pre_process, post_process=post_process,
@@ -165,13 +167,14 @@ class StageProfiler:
         def step():
             if hidden is not None:
                 self.model.set_input_tensor(hidden)
+            # backward inside the scope too: recomputed layers route again there (as in training)
             with budget_scope(k=k, k_base=k_base, p=p):
                 out = self.model(tokens if self.pre_process else None, pos if self.pre_process else None, None,
                                  labels=tokens if self.post_process else None, packed_seq_params=psp)
-            if self.post_process:
-                out.float().sum().backward()
-            else:
-                out.backward(grad)
+                if self.post_process:
+                    out.float().sum().backward()
+                else:
+                    out.backward(grad)
             self.model.zero_grad(set_to_none=True)
             if hidden is not None:
                 hidden.grad = None
@@ -212,7 +215,7 @@ class StageProfiler:
             self.shape, self.block_size, self.layers_per_stage, dtype=str(self.dtype), kernel_impl=self.impl,
             gpu=device_name() if self.device.type == "cuda" else "cpu", pre_process=self.pre_process,
             post_process=self.post_process, tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, recompute=self.recompute.transformer_config_kwargs(),
         )
 
 
@@ -329,6 +332,10 @@ def parse_args(argv=None):
                    help="time a point longer than --iters until this many seconds are measured (at most "
                         f"{MAX_TIMED_ITERS} iterations): short, host-bound packs jitter, more samples steady the median")
     p.add_argument("--fp32", action="store_true", help="profile in float32 (the default on a GPU is bfloat16)")
+    p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="profile the stage with activation recomputation, as the run will train it (pretrain's flag)")
+    p.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    p.add_argument("--recompute-num-layers", type=int, default=None)
     p.add_argument("--out", required=True, help="where to write the JSON table")
     args = p.parse_args(argv)
     if args.tensor_model_parallel_size != 1:
@@ -343,6 +350,11 @@ def parse_args(argv=None):
         p.error("--layers-per-stage must be >= 1")
     if min(args.lengths) < 1 or min(args.budgets) < 1:
         p.error("--lengths and --budgets must be >= 1")
+    args.recompute = RecomputeSettings(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+    try:
+        args.recompute.validate()
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -352,6 +364,7 @@ def main(argv=None) -> ProfiledLatencyModel:
         args.model, args.layers_per_stage, block_size=args.moba_block_size, impl=args.sparse_attn_impl,
         pre_process=args.stage in ("first", "only"), post_process=args.stage in ("last", "only"),
         bf16=False if args.fp32 else None, max_length=max(args.lengths), min_time_s=args.min_time_s,
+        recompute=args.recompute,
     )
     print(f"profiling {args.model}, {args.layers_per_stage} layers ({args.stage} stage), block {args.moba_block_size}, "
           f"attention {profiler.impl}, {profiler.dtype}, on {device_name() if profiler.device.type == 'cuda' else 'cpu'}: "

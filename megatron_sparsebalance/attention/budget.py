@@ -3,12 +3,13 @@
 Megatron builds attention deep inside the model, and only the activation tensor crosses
 the model's forward; so the schedule opens a :func:`budget_scope` around the forward of a
 micro-batch and every ``SparseCoreAttention`` inside reads the request from it and writes back
-what it did. Outside any scope, layers use ``--moba-topk``.
+what it did. Outside any scope, layers use ``--moba-topk``. The schedule opens the same scope
+again around the micro-batch's backward, where recomputed layers (``--recompute-granularity``)
+run their forward a second time and must route as the first time did.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -74,11 +75,18 @@ def read_reports(reports: dict) -> tuple[dict, dict]:
     return budgets, coverage
 
 
-_state = threading.local()
+class _ScopeState:
+    report: Optional[BudgetReport] = None
+
+
+# Process-wide, not thread-local: with activation recomputation the attention runs again inside
+# backward, and autograd runs the backward of CUDA tensors on a device thread of its own while
+# the host thread that opened the scope waits in ``torch.autograd.backward``.
+_state = _ScopeState()
 
 
 def active_scope() -> Optional[BudgetReport]:
-    return getattr(_state, "report", None)
+    return _state.report
 
 
 @contextlib.contextmanager

@@ -300,14 +300,17 @@ def latency_metadata(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    recompute: Optional[Mapping[str, Any]] = None,
 ) -> dict:
     """The metadata a table is saved with and a run expects when loading one (same function for both).
 
     ``shape`` is a :class:`~megatron_sparsebalance.training.model.ModelShape` (or its dict).
     ``kernel_version`` defaults to :func:`kernel_version` of ``kernel_impl``; ``gpu`` to the
-    current device's name.
+    current device's name. ``recompute`` (megatron's recompute settings, when the stage recomputes
+    activations: its backward then repeats the forward) is recorded only when given, so tables
+    profiled without it keep matching runs without it.
     """
-    return {
+    metadata = {
         "gpu": gpu if gpu is not None else device_name(),
         "model_shape": _jsonable(shape),
         "dtype": str(dtype).replace("torch.", ""),
@@ -319,6 +322,9 @@ def latency_metadata(
         "post_process": bool(post_process),
         "parallel_layout": {"tp": int(tensor_parallel_size), "pp": int(pipeline_parallel_size), "cp": int(context_parallel_size)},
     }
+    if recompute:
+        metadata["recompute"] = _jsonable(dict(recompute))
+    return metadata
 
 
 def device_name() -> str:

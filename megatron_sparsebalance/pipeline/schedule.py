@@ -108,12 +108,15 @@ def forward_backward_sparsebalance(
     reports, losses = {}, []
     total_tokens = torch.zeros((), dtype=torch.int, device=device)
 
+    def micro_batch_scope(i: int):
+        mb = plan.micro_batches[i]
+        return budget_scope(k=mb.budget, k_base=plan.k_base if mb.budget is not None else None, p=plan.p)
+
     def run_forward(i: int, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
         nonlocal total_tokens
         set_input_tensor(input_tensor)
-        mb = plan.micro_batches[i]
         clock.start(i, "F")
-        with budget_scope(k=mb.budget, k_base=plan.k_base if mb.budget is not None else None, p=plan.p) as report:
+        with micro_batch_scope(i) as report:
             output, loss_func = forward_step_func(data_iterator, model)
         if links.last:
             output, num_tokens, reduced = _normalized_loss(loss_func(output), config, num_microbatches)
@@ -127,7 +130,10 @@ def forward_backward_sparsebalance(
         clock.start(i, "B")
         if output_grad is None and config.grad_scale_func is not None:
             output_tensor = config.grad_scale_func(output_tensor)
-        torch.autograd.backward(output_tensor, grad_tensors=output_grad)
+        # Recomputed layers (--recompute-granularity) run their forward again in here: the same
+        # scope makes them route with this micro-batch's budget; their report is dropped.
+        with micro_batch_scope(i):
+            torch.autograd.backward(output_tensor, grad_tensors=output_grad)
         clock.stop(i, "B")
         return input_tensor.grad if input_tensor is not None else None
 

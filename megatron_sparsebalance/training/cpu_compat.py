@@ -2,7 +2,8 @@
 
 megatron-core hard-codes the GPU in a few places a CPU run reaches: RoPE moves its
 frequencies to ``torch.cuda.current_device()``, DDP's gradient buffers and the optimizer's
-scalars are created with ``device="cuda"``, the grad-norm clip checks for CUDA tensor types.
+scalars are created with ``device="cuda"``, the grad-norm clip checks for CUDA tensor types,
+activation recomputation saves the GPU's RNG state.
 Rather than editing the installed package, :func:`enable_cpu_megatron` gives those modules a
 view of ``torch`` in which ``cuda.current_device()`` names the CPU and the tensor factories
 turn ``device="cuda"`` into the CPU. Explicit, opt-in and idempotent; it does nothing when
@@ -116,4 +117,9 @@ def enable_cpu_megatron() -> bool:
             module.torch = cpu_torch
             setattr(module, _MARKER, True)
     importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    # Activation recomputation saves and restores the GPU's RNG state around the recomputed
+    # forward; a CPU has none (its own RNG state is saved beside it, by torch).
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
     return True

@@ -45,6 +45,59 @@ MODEL_PRESETS = {
 }
 
 
+@dataclass
+class RecomputeSettings:
+    """Activation recomputation, with Megatron-LM's flags (megatron-core's ``TransformerConfig`` does it).
+
+    Recomputed attention runs again inside the backward pass, outside the forward's budget scope;
+    the schedule re-opens the micro-batch's scope around its backward (``pipeline/schedule.py``),
+    so a recomputed layer routes with the budget DST gave the micro-batch, not ``--moba-topk``.
+    """
+
+    recompute_granularity: Optional[str] = None
+    """full (recompute whole transformer layers: the memory of a 3B stage at 64K tokens) or
+    selective (recompute only --recompute-modules); default: none."""
+    recompute_method: Optional[str] = None
+    """With --recompute-granularity full: uniform (checkpoint every --recompute-num-layers layers)
+    or block (checkpoint the first --recompute-num-layers layers of each stage)."""
+    recompute_num_layers: Optional[int] = None
+    """With --recompute-granularity full: layers per checkpoint (uniform) or layers checkpointed per
+    stage (block)."""
+    recompute_modules: Optional[tuple[str, ...]] = None
+    """With --recompute-granularity selective: core_attn and/or mlp (default: core_attn). (megatron-core
+    0.16's layernorm recompute needs Transformer Engine.)"""
+
+    def validate(self) -> "RecomputeSettings":
+        g, m, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if g not in (None, "full", "selective"):
+            raise ValueError(f"--recompute-granularity must be full or selective, got {g!r}")
+        if g == "full":
+            if m not in ("uniform", "block"):
+                raise ValueError(f"--recompute-granularity full needs --recompute-method uniform or block, got {m!r}")
+            if n is None or n < 1:
+                raise ValueError(f"--recompute-granularity full needs --recompute-num-layers >= 1, got {n}")
+        elif m is not None or n is not None:
+            raise ValueError("--recompute-method and --recompute-num-layers go with --recompute-granularity full")
+        if self.recompute_modules is not None:
+            if g != "selective":
+                raise ValueError("--recompute-modules goes with --recompute-granularity selective")
+            unknown = set(self.recompute_modules) - {"core_attn", "mlp"}
+            if unknown or not self.recompute_modules:
+                raise ValueError(f"--recompute-modules must be core_attn and/or mlp, got {list(self.recompute_modules)}"
+                                 + (" (megatron-core's layernorm recompute needs Transformer Engine)"
+                                    if "layernorm" in unknown else ""))
+        return self
+
+    def transformer_config_kwargs(self) -> dict:
+        if self.recompute_granularity is None:
+            return {}
+        kwargs = {"recompute_granularity": self.recompute_granularity, "recompute_method": self.recompute_method,
+                  "recompute_num_layers": self.recompute_num_layers}
+        if self.recompute_modules is not None:
+            kwargs["recompute_modules"] = list(self.recompute_modules)
+        return kwargs
+
+
 def transformer_config(
     shape: ModelShape,
     pipeline_parallel_size: int = 1,
@@ -53,6 +106,7 @@ def transformer_config(
     num_layers: Optional[int] = None,
     first_stage_layers: Optional[int] = None,
     last_stage_layers: Optional[int] = None,
+    recompute: Optional[RecomputeSettings] = None,
 ) -> TransformerConfig:
     """megatron-core's config of a Qwen2-style GPT; ``first/last_stage_layers`` make the pipeline uneven."""
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -85,6 +139,7 @@ def transformer_config(
         use_cpu_initialization=not torch.cuda.is_available(),
         init_method_std=0.02,
         apply_rope_fusion=rope_fusion,
+        **(recompute.validate().transformer_config_kwargs() if recompute is not None else {}),
     )
 
 

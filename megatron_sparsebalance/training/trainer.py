@@ -24,7 +24,7 @@ from megatron_sparsebalance.attention.config import SparseAttentionConfig
 from megatron_sparsebalance.balance.dst import CoverageFloor, DSTConfig
 from megatron_sparsebalance.pipeline.schedule import PipelinePlan, forward_backward_sparsebalance
 from megatron_sparsebalance.pipeline.timeline import IterationMetrics
-from megatron_sparsebalance.training.model import ModelShape, build_gpt_model, transformer_config
+from megatron_sparsebalance.training.model import ModelShape, RecomputeSettings, build_gpt_model, transformer_config
 from megatron_sparsebalance.training.outer_sync import DPCommConfig, OuterSync, replica_local_ddp_groups, ring_wire_bytes
 from megatron_sparsebalance.training.step import gpt_forward_step, mean_loss, pipeline_plans, stage_flags
 
@@ -92,6 +92,7 @@ class Trainer:
         dp_comm: Optional[DPCommConfig] = None,
         first_stage_layers: Optional[int] = None,
         last_stage_layers: Optional[int] = None,
+        recompute: Optional[RecomputeSettings] = None,
     ):
         self.shape, self.sparse, self.dst = shape, sparse.validate(), dst.validate()
         optim.validate()
@@ -105,7 +106,7 @@ class Trainer:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.config = transformer_config(shape, pipeline_parallel_size=pp, tensor_parallel_size=tp, bf16=bf16,
                                          num_layers=num_layers, first_stage_layers=first_stage_layers,
-                                         last_stage_layers=last_stage_layers)
+                                         last_stage_layers=last_stage_layers, recompute=recompute)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         model = build_gpt_model(shape, sparse, self.config, max_sequence_length, **stage_flags()).to(device)
         if bf16:
