@@ -208,6 +208,26 @@ def test_metadata_mismatch_is_an_error_unless_forced(tmp_path):
         AnalyticLatencyModel.load(path)
 
 
+def test_recomputation_must_match_between_table_and_run(tmp_path):
+    """A stage that recomputes runs its forward twice: a table and a run must agree on it, both ways;
+    a table saved before the key existed counts as profiled without recomputation."""
+    full = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    plain = latency_metadata(SHAPE_05B, B, 6, kernel_impl="triton", kernel_version="v1", gpu="NVIDIA H200")
+    recomputing = latency_metadata(SHAPE_05B, B, 6, kernel_impl="triton", kernel_version="v1", gpu="NVIDIA H200",
+                                   recompute=full)
+    assert plain["recompute"] is None and recomputing["recompute"] == full
+    paths = {}
+    for name, meta in (("plain", plain), ("recomputing", recomputing),
+                       ("older", {k: v for k, v in plain.items() if k != "recompute"})):
+        paths[name] = str(tmp_path / f"{name}.json")
+        synthetic_table(metadata=meta).save(paths[name])
+    for table, run in (("plain", plain), ("older", plain), ("recomputing", recomputing)):
+        ProfiledLatencyModel.load(paths[table], expect=run)
+    for table, run in (("plain", recomputing), ("older", recomputing), ("recomputing", plain)):
+        with pytest.raises(ValueError, match="does not match this run in recompute "):
+            ProfiledLatencyModel.load(paths[table], expect=run)
+
+
 def test_calibration_converges_on_drift():
     rng = random.Random(5)
     m = synthetic_table()

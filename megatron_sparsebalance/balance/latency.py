@@ -274,10 +274,20 @@ class LatencyModel:
         return cls.from_dict(d)
 
 
+# Metadata keys added after tables were first committed: a table without one was profiled with
+# the setting off (None), so it still matches runs with it off.
+_KEYS_NONE_WHEN_ABSENT = ("recompute",)
+_ABSENT = object()
+
+
 def metadata_mismatch(table: Mapping[str, Any], expect: Mapping[str, Any]) -> list[str]:
     """Keys of ``expect`` whose value differs from (or is absent in) ``table``, JSON-normalised."""
     table = _jsonable(dict(table))
-    return sorted(key for key, value in expect.items() if key not in table or table[key] != _jsonable(value))
+
+    def recorded(key):
+        return table.get(key, None if key in _KEYS_NONE_WHEN_ABSENT else _ABSENT)
+
+    return sorted(key for key, value in expect.items() if recorded(key) != _jsonable(value))
 
 
 def _jsonable(x):
@@ -306,11 +316,11 @@ def latency_metadata(
 
     ``shape`` is a :class:`~megatron_sparsebalance.training.model.ModelShape` (or its dict).
     ``kernel_version`` defaults to :func:`kernel_version` of ``kernel_impl``; ``gpu`` to the
-    current device's name. ``recompute`` (megatron's recompute settings, when the stage recomputes
-    activations: its backward then repeats the forward) is recorded only when given, so tables
-    profiled without it keep matching runs without it.
+    current device's name. ``recompute``: megatron's recompute settings when the stage recomputes
+    activations (its backward then repeats the forward), else None; a table and a run must agree
+    on it either way.
     """
-    metadata = {
+    return {
         "gpu": gpu if gpu is not None else device_name(),
         "model_shape": _jsonable(shape),
         "dtype": str(dtype).replace("torch.", ""),
@@ -321,10 +331,8 @@ def latency_metadata(
         "pre_process": bool(pre_process),
         "post_process": bool(post_process),
         "parallel_layout": {"tp": int(tensor_parallel_size), "pp": int(pipeline_parallel_size), "cp": int(context_parallel_size)},
+        "recompute": _jsonable(dict(recompute)) if recompute else None,
     }
-    if recompute:
-        metadata["recompute"] = _jsonable(dict(recompute))
-    return metadata
 
 
 def device_name() -> str:
