@@ -32,7 +32,9 @@ expandable segments against fragmentation); the dense row does not fit at PP=4. 
 where the cap requires it (``balance/sab.py: arrival_order_chunks``).
 
 Writes ``e2e_<tag>_<layout>.json`` (rows, per-iteration records, the Chrome traces of the last
-baseline and SAB+DST iterations); ``--merge`` joins layout files into ``e2e_<tag>.json`` and draws
+baseline and SAB+DST iterations, and the simulator's ideal speedups for the baseline's measured
+costs: ``ideal`` splits a micro-batch over the stages by the baseline's shares,
+``ideal_stage_aware`` by :class:`StageCostModel`); ``--merge`` joins layout files into ``e2e_<tag>.json`` and draws
 the timelines and the speedup chart.
 """
 from __future__ import annotations
@@ -224,9 +226,57 @@ def summarize(dist: str, layout: str, config: str, iterations: list, dp: int, mo
     )
 
 
-def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, latency) -> dict:
+class StageCostModel:
+    """A micro-batch's forward+backward ms on each pipeline stage, for the simulator.
+
+    Stage ``s`` runs ``layer_fractions[s]`` times the layers of the latency model's stage, so it
+    costs that fraction of the model's prediction at the micro-batch's budget (what DST changes),
+    times one ``scale``; the first stage adds a cost per token for the embedding and the last one
+    for the output layer and the loss, which no budget changes. Splitting a micro-batch's total by
+    the baseline's stage shares instead would shrink the last stage with the attention, where at
+    PP=4 its 152K-vocabulary output layer is most of it.
+    """
+
+    def __init__(self, layer_fractions, scale: float, per_token_first: float, per_token_last: float):
+        self.layer_fractions = list(layer_fractions)
+        self.scale, self.per_token_first, self.per_token_last = scale, per_token_first, per_token_last
+
+    def __call__(self, lengths, predicted_ms: float) -> list:
+        tokens = sum(lengths)
+        costs = [self.scale * f * predicted_ms for f in self.layer_fractions]
+        costs[0] += self.per_token_first * tokens
+        costs[-1] += self.per_token_last * tokens
+        return costs
+
+    @classmethod
+    def fit(cls, layer_fractions, samples) -> "StageCostModel":
+        """Least squares over measured ``(stage, tokens, predicted_ms, measured_ms)`` samples; the
+        per-token terms are kept non-negative (one stage: a single per-token term)."""
+        import numpy as np
+
+        last = len(layer_fractions) - 1
+        rows = [[layer_fractions[s] * pred, tokens * (s == 0), tokens * (s == last and last > 0)]
+                for s, tokens, pred, _ in samples]
+        y = np.array([m for *_, m in samples])
+        x = np.array(rows, dtype=float)
+        keep = [0] + [c for c in (1, 2) if x[:, c].any()]
+        coef = np.zeros(3)
+        while True:
+            coef[:] = 0.0
+            coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+            negative = [c for c in keep[1:] if coef[c] < 0]
+            if not negative:
+                break
+            keep = [c for c in keep if c not in negative]
+        return cls(layer_fractions, float(coef[0]), float(coef[1]), float(coef[2]))
+
+
+def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, latency, stage_aware: bool = False) -> dict:
     """The simulator's ideal for these costs: the run's latency model rescaled to the baseline's
-    measured micro-batches, every configuration planned with DST unconstrained by ``p``."""
+    measured micro-batches, every configuration planned with DST unconstrained by ``p``.
+
+    ``stage_aware``: split each micro-batch over the stages with a :class:`StageCostModel` fitted
+    to the baseline's measured stage times, instead of the baseline's stage shares."""
     import numpy as np
 
     from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
@@ -246,9 +296,22 @@ def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, laten
             ratios.append(measured / (pp * latency.predict(mb, args.moba_topk)))
     latency.load_calibration({"log_scale": latency.calibration_state()["log_scale"] + math.log(float(np.median(ratios))),
                               "observations": 0})
+    stage_costs = None
+    if stage_aware:
+        split = cfg.pipeline_layer_split()
+        fractions = [n / (sum(split) // pp) for n in split]  # the table's stage has num_layers // PP layers
+        samples = []
+        for it, lengths in zip(baseline_iterations, batches[args.warmup:]):
+            plan = SparsityAwareBatcher("none", dp, m, micro_batch_tokens=cfg.batching.micro_batch_tokens).plan(lengths)
+            for d, replica in enumerate(it["stage_ms"]):
+                for s, stage in enumerate(replica):
+                    for j, (f, b) in enumerate(stage):
+                        mb = plan.micro_batch_lengths(d, j)
+                        samples.append((s, sum(mb), latency.predict(mb, args.moba_topk), f + b))
+        stage_costs = StageCostModel.fit(fractions, samples)
     times = simulate_configs(batches, latency, pp, dp, m, args.moba_topk, warmup=args.warmup,
                              configs=SIM_CONFIGS, stage_shares=stage_shares(baseline_iterations),
-                             micro_batch_tokens=cfg.batching.micro_batch_tokens)
+                             micro_batch_tokens=cfg.batching.micro_batch_tokens, stage_costs=stage_costs)
     return {name: times["baseline"] / t for name, t in times.items()}
 
 
@@ -323,8 +386,9 @@ def run(args) -> dict:
                 continue
             cfg = baseline_cfg[dist_name]
             latency = build_latency_model(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-            result["ideal"][dist_name] = ideal_speedups(args, cfg, result["iterations"][f"{dist_name}/baseline"],
-                                                        pp, dp, latency)
+            for key, stage_aware in (("ideal", False), ("ideal_stage_aware", True)):
+                result.setdefault(key, {})[dist_name] = ideal_speedups(
+                    args, cfg, result["iterations"][f"{dist_name}/baseline"], pp, dp, latency, stage_aware)
         result.update(gpu=device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
                       world_size=dist.get_world_size())
     return result
@@ -361,11 +425,12 @@ def print_table(result: dict) -> None:
               f"{100 * r['bubble']:5.1f}% {r['simulated_iter_ms'] / r['pipeline_ms']:8.3f} "
               f"{r['predicted_ms'] / r['pipeline_ms']:9.3f} {r['mean_budget'] or float('nan'):6.1f} "
               f"{r['mean_coverage'] or float('nan'):6.3f} {r['loss']:7.4f}")
-    for key, ideal in result.get("ideal", {}).items():
-        print(f"simulator's ideal speedups ({key}): " + ", ".join(f"{n} {v:.3f}" for n, v in ideal.items()))
+    for kind, name in (("ideal", "ideal"), ("ideal_stage_aware", "stage-aware ideal")):
+        for key, ideal in result.get(kind, {}).items():
+            print(f"simulator's {name} speedups ({key}): " + ", ".join(f"{n} {v:.3f}" for n, v in ideal.items()))
 
 
-def ideal_from_file(part: dict, dist_name: str) -> dict:
+def ideal_from_file(part: dict, dist_name: str, stage_aware: bool = False) -> dict:
     """:func:`ideal_speedups` recomputed from a results file (its setup, baseline records and table)."""
     from megatron_sparsebalance.config import build_parser, config_from_args
     from megatron_sparsebalance.pretrain import build_latency_model
@@ -380,7 +445,7 @@ def ideal_from_file(part: dict, dist_name: str) -> dict:
     latency = build_latency_model(cfg, torch.device("cpu"))
     pp = LAYOUTS[args.layout][0]
     dp = len(part["iterations"][f"{dist_name}/baseline"][0]["stage_ms"])  # one entry per DP replica
-    return ideal_speedups(args, cfg, part["iterations"][f"{dist_name}/baseline"], pp, dp, latency)
+    return ideal_speedups(args, cfg, part["iterations"][f"{dist_name}/baseline"], pp, dp, latency, stage_aware)
 
 
 def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
@@ -388,7 +453,7 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
 
     ``exclude``: ``LAYOUT/DIST/CONFIG`` rows left out (a row measured in another run than the
     baseline it would be compared with)."""
-    merged = dict(gpu=None, torch=None, rows=[], ideal={}, sources=[])
+    merged = dict(gpu=None, torch=None, rows=[], ideal={}, ideal_stage_aware={}, sources=[])
     traces = {}
     for path in paths:
         with open(path) as f:
@@ -401,7 +466,8 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
             if f"{dist_name}/baseline" in part["iterations"]:
                 # Recomputed from the file's own records (also for a run that stopped before its
                 # summary), so every ideal of the merged file comes from the same code.
-                merged["ideal"][f"{part['layout']}/{dist_name}"] = ideal_from_file(part, dist_name)
+                for key, stage_aware in (("ideal", False), ("ideal_stage_aware", True)):
+                    merged[key][f"{part['layout']}/{dist_name}"] = ideal_from_file(part, dist_name, stage_aware)
         merged["sources"].append(os.path.basename(path))
         traces.update({f"{part['layout']}/{k}": v for k, v in part["traces"].items()})
     # A later file's row replaces an earlier one of the same (layout, dist, config).

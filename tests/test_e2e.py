@@ -73,3 +73,30 @@ def test_e2e_smoke_run_and_merge(tmp_path):
         assert len(json.load(f)["rows"]) == 2
     assert os.path.exists(os.path.join(out, "e2e_speedup_cpu.png"))
     assert os.path.exists(os.path.join(out, "e2e_timeline_cpu_pp2dp1_bimodal.png"))
+
+
+def test_stage_cost_model_recovers_the_fixed_costs_of_the_end_stages():
+    """The simulator's stage model: fitted to measured stage times it recovers the per-layer scale and
+    the per-token costs of the embedding and output layer; only the layer part follows the budget."""
+    import random
+
+    from benchmarks.e2e import StageCostModel
+
+    fractions = [7 / 6, 8 / 6, 8 / 6, 1 / 6]  # layers 7/8/8/1 against a 6-layer table stage
+    truth = StageCostModel(fractions, 0.9, 0.0005, 0.02)
+    rng = random.Random(0)
+    samples = []
+    for _ in range(40):
+        lengths = [rng.randint(1000, 30000) for _ in range(rng.randint(1, 3))]
+        pred = 1e-3 * sum(lengths) * rng.uniform(0.8, 1.6)  # the budget moves the layer part
+        samples += [(s, sum(lengths), pred, c * rng.uniform(0.99, 1.01)) for s, c in enumerate(truth(lengths, pred))]
+    fit = StageCostModel.fit(fractions, samples)
+    assert fit.scale == pytest.approx(0.9, rel=0.02)
+    assert fit.per_token_last == pytest.approx(0.02, rel=0.05)
+    assert fit.per_token_first == pytest.approx(0.0005, abs=2e-4)
+    halved = fit([20000], 10.0), fit([20000], 5.0)  # half the layer cost: the last stage keeps its logits
+    assert halved[1][1] == pytest.approx(halved[0][1] / 2) and halved[1][3] > 0.9 * halved[0][3]
+    # a per-token term the data would make negative is dropped, not fitted below zero
+    cheaper_last = [(s, t, p, fractions[s] * p - 1e-5 * t * (s == 3)) for s, t, p, _ in samples]
+    flat = StageCostModel.fit(fractions, cheaper_last)
+    assert flat.per_token_last == 0.0 and abs(flat.per_token_first) < 1e-6 and flat.scale == pytest.approx(1.0, rel=0.05)

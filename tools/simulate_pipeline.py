@@ -59,15 +59,17 @@ def replay(paths) -> list:
 
 
 def simulate_configs(batches, latency, pp: int, dp: int, micro_batches: int, k_base: int, warmup: int = 0,
-                     configs=CONFIGS, stage_shares=None, micro_batch_tokens=None) -> dict:
+                     configs=CONFIGS, stage_shares=None, micro_batch_tokens=None, stage_costs=None) -> dict:
     """Mean simulated iteration ms of each configuration over the global batches after ``warmup``.
 
     ``batches``: the global batches' sample lengths (arrival order). Each configuration plans
     them as the run would (SAB or not, DST anchor with ``p`` unconstrained), prices each
     micro-batch with ``latency.predict`` (total over the stages: one stage's prediction times
     ``pp``) and simulates 1F1B. ``stage_shares`` splits a micro-batch's cost over the stages
-    (measured shares of an uneven pipeline; default: equal). ``micro_batch_tokens`` is the
-    runs' ``--micro-batch-tokens`` cap.
+    (measured shares of an uneven pipeline; default: equal). ``stage_costs(lengths, predicted_ms)``,
+    when given, replaces the shares: each stage's ms of a micro-batch from its one-stage prediction
+    at its budget (``benchmarks/e2e.py: StageCostModel``, which keeps the output layer's cost fixed).
+    ``micro_batch_tokens`` is the runs' ``--micro-batch-tokens`` cap.
     """
     shares = stage_shares or [1.0 / pp] * pp
     times = {}
@@ -81,11 +83,15 @@ def simulate_configs(batches, latency, pp: int, dp: int, micro_batches: int, k_b
             dst = DSTConfig(anchor=anchor, p=None, k_base=k_base, growth=growth)
             decision = plan_budgets(mbs, latency, dst, PipelineShape(pp, (micro_batches,) * dp))
             budgets = decision.budgets
-            cost = [pp * t for t in decision.predicted_ms]  # p is None: priced at the budgets asked
             m = micro_batches
             # As in pretrain: SAB's estimator learns the budgets DST gave, for the next batches.
             batcher.update(plan, [budgets[d * m:(d + 1) * m] for d in range(dp)])
-            replicas = [[[c * share for c in cost[d * m:(d + 1) * m]] for share in shares] for d in range(dp)]
+            if stage_costs is not None:
+                per_stage = [stage_costs(mb, t) for mb, t in zip(mbs, decision.predicted_ms)]
+                replicas = [[[per_stage[d * m + j][s] for j in range(m)] for s in range(pp)] for d in range(dp)]
+            else:
+                cost = [pp * t for t in decision.predicted_ms]  # p is None: priced at the budgets asked
+                replicas = [[[c * share for c in cost[d * m:(d + 1) * m]] for share in shares] for d in range(dp)]
             per_iter.append(simulate_iteration(replicas))
         times[name] = statistics.mean(per_iter[warmup:])
     return times
