@@ -31,11 +31,11 @@ fit an H200 without recomputation (up to 115 GiB on stage 0 of PP=4, with the al
 expandable segments against fragmentation); the dense row does not fit at PP=4. ``--batching none`` keeps arrival order and moves a cut only
 where the cap requires it (``balance/sab.py: arrival_order_chunks``).
 
-Writes ``e2e_<tag>_<layout>.json`` (rows, per-iteration records, the Chrome traces of the last
+Writes ``e2e_<tag>_<layout>.json``: rows, per-iteration records, the Chrome traces of the last
 baseline and SAB+DST iterations, and the simulator's ideal speedups for the baseline's measured
-costs: ``ideal`` splits a micro-batch over the stages by the baseline's shares,
-``ideal_stage_aware`` by :class:`StageCostModel`); ``--merge`` joins layout files into ``e2e_<tag>.json`` and draws
-the timelines and the speedup chart.
+costs (``ideal`` splits a micro-batch over the stages by the baseline's shares,
+``ideal_stage_aware`` by :class:`StageCostModel`). ``--merge`` joins layout files into
+``e2e_<tag>.json`` and draws the timelines and the speedup chart.
 """
 from __future__ import annotations
 
