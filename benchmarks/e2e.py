@@ -34,7 +34,8 @@ where the cap requires it (``balance/sab.py: arrival_order_chunks``).
 Writes ``e2e_<tag>_<layout>.json``: rows, per-iteration records, the Chrome traces of the last
 baseline and SAB+DST iterations, and the simulator's ideal speedups for the baseline's measured
 costs (``ideal`` splits a micro-batch over the stages by the baseline's shares,
-``ideal_stage_aware`` by :class:`StageCostModel`). ``--merge`` joins layout files into
+``ideal_stage_aware`` by the ``StageCostModel`` in ``stage_costs``, fitted to the baseline's stage
+times, ``pipeline/simulate.py``). ``--merge`` joins layout files into
 ``e2e_<tag>.json`` and draws the timelines and the speedup chart.
 """
 from __future__ import annotations
@@ -226,58 +227,16 @@ def summarize(dist: str, layout: str, config: str, iterations: list, dp: int, mo
     )
 
 
-class StageCostModel:
-    """A micro-batch's forward+backward ms on each pipeline stage, for the simulator.
-
-    Stage ``s`` runs ``layer_fractions[s]`` times the layers of the latency model's stage, so it
-    costs that fraction of the model's prediction at the micro-batch's budget (what DST changes),
-    times one ``scale``; the first stage adds a cost per token for the embedding and the last one
-    for the output layer and the loss, which no budget changes. Splitting a micro-batch's total by
-    the baseline's stage shares instead would shrink the last stage with the attention, where at
-    PP=4 its 152K-vocabulary output layer is most of it.
-    """
-
-    def __init__(self, layer_fractions, scale: float, per_token_first: float, per_token_last: float):
-        self.layer_fractions = list(layer_fractions)
-        self.scale, self.per_token_first, self.per_token_last = scale, per_token_first, per_token_last
-
-    def __call__(self, lengths, predicted_ms: float) -> list:
-        tokens = sum(lengths)
-        costs = [self.scale * f * predicted_ms for f in self.layer_fractions]
-        costs[0] += self.per_token_first * tokens
-        costs[-1] += self.per_token_last * tokens
-        return costs
-
-    @classmethod
-    def fit(cls, layer_fractions, samples) -> "StageCostModel":
-        """Least squares over measured ``(stage, tokens, predicted_ms, measured_ms)`` samples; the
-        per-token terms are kept non-negative (one stage: a single per-token term)."""
-        import numpy as np
-
-        last = len(layer_fractions) - 1
-        rows = [[layer_fractions[s] * pred, tokens * (s == 0), tokens * (s == last and last > 0)]
-                for s, tokens, pred, _ in samples]
-        y = np.array([m for *_, m in samples])
-        x = np.array(rows, dtype=float)
-        keep = [0] + [c for c in (1, 2) if x[:, c].any()]
-        coef = np.zeros(3)
-        while True:
-            coef[:] = 0.0
-            coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
-            negative = [c for c in keep[1:] if coef[c] < 0]
-            if not negative:
-                break
-            keep = [c for c in keep if c not in negative]
-        return cls(layer_fractions, float(coef[0]), float(coef[1]), float(coef[2]))
-
-
-def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, latency, stage_aware: bool = False) -> dict:
+def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, latency, stage_aware: bool = False):
     """The simulator's ideal for these costs: the run's latency model rescaled to the baseline's
     measured micro-batches, every configuration planned with DST unconstrained by ``p``.
 
-    ``stage_aware``: split each micro-batch over the stages with a :class:`StageCostModel` fitted
-    to the baseline's measured stage times, instead of the baseline's stage shares."""
+    ``stage_aware``: split each micro-batch over the stages with a ``StageCostModel``
+    (``pipeline/simulate.py``) fitted to the baseline's measured stage times, instead of the
+    baseline's stage shares. Returns the speedups and that model (None without ``stage_aware``)."""
     import numpy as np
+
+    from megatron_sparsebalance.pipeline.simulate import StageCostModel
 
     from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
     from megatron_sparsebalance.data.datasets import build_dataset
@@ -312,7 +271,7 @@ def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, laten
     times = simulate_configs(batches, latency, pp, dp, m, args.moba_topk, warmup=args.warmup,
                              configs=SIM_CONFIGS, stage_shares=stage_shares(baseline_iterations),
                              micro_batch_tokens=cfg.batching.micro_batch_tokens, stage_costs=stage_costs)
-    return {name: times["baseline"] / t for name, t in times.items()}
+    return {name: times["baseline"] / t for name, t in times.items()}, stage_costs
 
 
 def run(args) -> dict:
@@ -386,9 +345,11 @@ def run(args) -> dict:
                 continue
             cfg = baseline_cfg[dist_name]
             latency = build_latency_model(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-            for key, stage_aware in (("ideal", False), ("ideal_stage_aware", True)):
-                result.setdefault(key, {})[dist_name] = ideal_speedups(
-                    args, cfg, result["iterations"][f"{dist_name}/baseline"], pp, dp, latency, stage_aware)
+            baseline = result["iterations"][f"{dist_name}/baseline"]
+            result["ideal"][dist_name], _ = ideal_speedups(args, cfg, baseline, pp, dp, latency)
+            speedups, stage_costs = ideal_speedups(args, cfg, baseline, pp, dp, latency, stage_aware=True)
+            result.setdefault("ideal_stage_aware", {})[dist_name] = speedups
+            result.setdefault("stage_costs", {})[dist_name] = stage_costs.to_dict()
         result.update(gpu=device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
                       world_size=dist.get_world_size())
     return result
@@ -430,8 +391,9 @@ def print_table(result: dict) -> None:
             print(f"simulator's {name} speedups ({key}): " + ", ".join(f"{n} {v:.3f}" for n, v in ideal.items()))
 
 
-def ideal_from_file(part: dict, dist_name: str, stage_aware: bool = False) -> dict:
-    """:func:`ideal_speedups` recomputed from a results file (its setup, baseline records and table)."""
+def ideal_from_file(part: dict, dist_name: str, stage_aware: bool = False):
+    """:func:`ideal_speedups` (speedups, stage model) recomputed from a results file (its setup,
+    baseline records and table)."""
     from megatron_sparsebalance.config import build_parser, config_from_args
     from megatron_sparsebalance.pretrain import build_latency_model
 
@@ -453,7 +415,7 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
 
     ``exclude``: ``LAYOUT/DIST/CONFIG`` rows left out (a row measured in another run than the
     baseline it would be compared with)."""
-    merged = dict(gpu=None, torch=None, rows=[], ideal={}, ideal_stage_aware={}, sources=[])
+    merged = dict(gpu=None, torch=None, rows=[], ideal={}, ideal_stage_aware={}, stage_costs={}, sources=[])
     traces = {}
     for path in paths:
         with open(path) as f:
@@ -466,8 +428,10 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
             if f"{dist_name}/baseline" in part["iterations"]:
                 # Recomputed from the file's own records (also for a run that stopped before its
                 # summary), so every ideal of the merged file comes from the same code.
-                for key, stage_aware in (("ideal", False), ("ideal_stage_aware", True)):
-                    merged[key][f"{part['layout']}/{dist_name}"] = ideal_from_file(part, dist_name, stage_aware)
+                key = f"{part['layout']}/{dist_name}"
+                merged["ideal"][key], _ = ideal_from_file(part, dist_name)
+                merged["ideal_stage_aware"][key], stage_costs = ideal_from_file(part, dist_name, stage_aware=True)
+                merged["stage_costs"][key] = stage_costs.to_dict()
         merged["sources"].append(os.path.basename(path))
         traces.update({f"{part['layout']}/{k}": v for k, v in part["traces"].items()})
     # A later file's row replaces an earlier one of the same (layout, dist, config).

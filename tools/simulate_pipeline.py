@@ -31,7 +31,8 @@ from megatron_sparsebalance.balance.dst import DSTConfig, PipelineShape, plan_bu
 from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, LatencyModel
 from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
 from megatron_sparsebalance.data.distributions import sample_lengths
-from megatron_sparsebalance.pipeline.simulate import simulate_iteration, uniform_stages
+from megatron_sparsebalance.pipeline.simulate import StageCostModel, simulate_iteration, uniform_stages
+from megatron_sparsebalance.training.step import pipeline_layer_split
 from megatron_sparsebalance.training.model import MODEL_PRESETS
 
 CONFIGS = {  # name: (batching, dst anchor, dst growth)
@@ -68,7 +69,7 @@ def simulate_configs(batches, latency, pp: int, dp: int, micro_batches: int, k_b
     ``pp``) and simulates 1F1B. ``stage_shares`` splits a micro-batch's cost over the stages
     (measured shares of an uneven pipeline; default: equal). ``stage_costs(lengths, predicted_ms)``,
     when given, replaces the shares: each stage's ms of a micro-batch from its one-stage prediction
-    at its budget (``benchmarks/e2e.py: StageCostModel``, which keeps the output layer's cost fixed).
+    at its budget (``pipeline/simulate.py: StageCostModel``, which keeps the output layer's cost fixed).
     ``micro_batch_tokens`` is the runs' ``--micro-batch-tokens`` cap.
     """
     shares = stage_shares or [1.0 / pp] * pp
@@ -97,6 +98,22 @@ def simulate_configs(batches, latency, pp: int, dp: int, micro_batches: int, k_b
     return times
 
 
+def stage_costs_of(args):
+    """``--stage-costs FILE:KEY``: the per-token cost of the last stage fitted on a measured run
+    (``stage_costs[KEY]`` of a ``benchmarks/e2e.py`` results file), in the table's units, on this
+    layout's layer split; None without the flag (every stage costs the same)."""
+    if not args.stage_costs:
+        return None
+    path, _, key = args.stage_costs.rpartition(":")
+    with open(path) as f:
+        fitted = json.load(f)["stage_costs"][key]
+    shape = MODEL_PRESETS[args.model]
+    split = pipeline_layer_split(shape.num_layers, args.pp, args.first_stage_layers, args.last_stage_layers)
+    # The fit's scale maps the run's table to its measured times; here the table's units are kept.
+    return StageCostModel([n / (shape.num_layers // args.pp) for n in split], 1.0,
+                          fitted["per_token_last"] / fitted["scale"])
+
+
 def predict(args, latency) -> list:
     rows = []
     for gpus in args.gpus:
@@ -107,7 +124,8 @@ def predict(args, latency) -> list:
         batches = [sample_lengths(args.dist, dp * args.micro_batches * args.micro_batch_size, args.seq_length, rng).tolist()
                    for _ in range(args.warmup + args.iters)]
         times = simulate_configs(batches, latency, args.pp, dp, args.micro_batches, args.moba_topk, args.warmup,
-                                 micro_batch_tokens=args.micro_batch_tokens or args.micro_batch_size * args.seq_length)
+                                 micro_batch_tokens=args.micro_batch_tokens or args.micro_batch_size * args.seq_length,
+                                 stage_costs=stage_costs_of(args))
         for name, t in times.items():
             rows.append(dict(gpus=gpus, dp=dp, pp=args.pp, tp=args.tp, dist=args.dist, config=name, iter_ms=t,
                              speedup=times["baseline"] / t))
@@ -134,6 +152,13 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=5, help="global batches averaged per cluster size")
     p.add_argument("--warmup", type=int, default=3, help="global batches first planned (SAB's estimator learns DST's budgets)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--stage-costs", default=None, metavar="FILE:KEY",
+                   help="price each stage apart: its share of the layers at the table's prediction, plus the "
+                        "per-token cost of the output layer and loss fitted on a measured run "
+                        "(stage_costs of a benchmarks/e2e.py results file, e.g. "
+                        "benchmarks/results/e2e_h200x4.json:pp4dp1/bimodal); default: every stage alike")
+    p.add_argument("--first-stage-layers", type=int, default=None, help="with --stage-costs: layers of the first stage")
+    p.add_argument("--last-stage-layers", type=int, default=None, help="with --stage-costs: layers of the last stage")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     if args.replay:

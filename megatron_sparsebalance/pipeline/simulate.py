@@ -17,6 +17,8 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 
 @dataclass
 class SimResult:
@@ -108,3 +110,42 @@ def simulate_iteration(stage_ms_per_replica: Sequence[Sequence[Sequence[float]]]
 def uniform_stages(micro_batch_ms: Sequence[float], pp: int) -> list:
     """``[stage][micro-batch]`` costs when every stage costs the same for a micro-batch."""
     return [list(micro_batch_ms) for _ in range(pp)]
+
+
+class StageCostModel:
+    """A micro-batch's forward+backward ms on each pipeline stage.
+
+    Stage ``s`` runs ``layer_fractions[s]`` times the layers of the latency model's stage, so it
+    costs that fraction of the model's prediction at the micro-batch's budget (what DST changes),
+    times one ``scale``; the last stage adds a cost per token for the output layer and the loss,
+    which no budget changes. Splitting a micro-batch's total by the baseline's stage shares instead
+    would shrink the last stage with the attention, where at PP=4 its 152K-vocabulary output layer
+    is most of it. The first stage's embedding is a lookup, left in the noise: a per-token term
+    there could trade places with the layers' term wherever the prediction is near-linear in
+    tokens (long-tail packs on two stages), and the fit would no longer say what DST can change.
+    """
+
+    def __init__(self, layer_fractions, scale: float, per_token_last: float):
+        self.layer_fractions = list(layer_fractions)
+        self.scale, self.per_token_last = scale, per_token_last
+
+    def __call__(self, lengths, predicted_ms: float) -> list:
+        costs = [self.scale * f * predicted_ms for f in self.layer_fractions]
+        costs[-1] += self.per_token_last * sum(lengths)
+        return costs
+
+    def to_dict(self) -> dict:
+        return {"layer_fractions": self.layer_fractions, "scale": self.scale, "per_token_last": self.per_token_last}
+
+    @classmethod
+    def fit(cls, layer_fractions, samples) -> "StageCostModel":
+        """Least squares over measured ``(stage, tokens, predicted_ms, measured_ms)`` samples; the
+        per-token term is kept non-negative (and left out with a single stage)."""
+        last = len(layer_fractions) - 1
+        x = np.array([[layer_fractions[s] * pred, tokens * (s == last and last > 0)] for s, tokens, pred, _ in samples],
+                     dtype=float)
+        y = np.array([m for *_, m in samples])
+        coef = np.linalg.lstsq(x, y, rcond=None)[0] if x[:, 1].any() else np.array([0.0, 0.0])
+        if not x[:, 1].any() or coef[1] < 0:
+            coef = np.array([np.linalg.lstsq(x[:, :1], y, rcond=None)[0][0], 0.0])
+        return cls(layer_fractions, float(coef[0]), float(coef[1]))
