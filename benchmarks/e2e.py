@@ -22,7 +22,7 @@ SparseBalance flags. Per configuration the rank-0 process records, over the meas
 * ``mean_budget``, ``mean_coverage`` and the ``loss`` of the last iteration.
 
 ``--layout`` picks the parallel layout and the pipeline split. The last stage runs the output
-layer over a 152K vocabulary (as much work as about six of these layers), so the split gives it
+layer over a 152K vocabulary (as much work as six to nine of these layers), so the split gives it
 fewer layers (``--decoder-last-pipeline-num-layers``), as a Megatron user would.
 
 Memory: a micro-batch is capped at ``--micro-batch-tokens`` (default = ``--seq-length`` = 64K); the

@@ -92,7 +92,7 @@ class ParallelConfig:
     without a fixed count share the rest evenly."""
     decoder_last_pipeline_num_layers: Optional[int] = None
     """Transformer layers on the last pipeline stage, which also runs the output layer and the
-    loss (with a 152K vocabulary about six Qwen2.5-0.5B layers' worth): give it fewer."""
+    loss (with a 152K vocabulary six to nine Qwen2.5-0.5B layers' worth): give it fewer."""
     distributed_backend: str = "auto"
     """auto (NCCL with GPUs, gloo without), nccl or gloo."""
 

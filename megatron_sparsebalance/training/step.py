@@ -97,7 +97,7 @@ def pipeline_layer_split(num_layers: int, pp: int, first: Optional[int] = None, 
     ``first`` / ``last`` (``--decoder-first-pipeline-num-layers`` /
     ``--decoder-last-pipeline-num-layers``) fix the end stages; the other stages share the
     remaining layers evenly. The last stage also holds the output layer and the loss, which for
-    a 152K vocabulary costs about as much as six Qwen2.5-0.5B layers, so giving it fewer layers
+    a 152K vocabulary costs as much as six to nine Qwen2.5-0.5B layers, so giving it fewer layers
     is how a Megatron user balances the stages.
     """
     if first is None and last is None:
