@@ -56,3 +56,14 @@ def test_replay_reproduces_a_textbook_run(tmp_path):
     path.write_text(json.dumps(result))
     (row,) = replay([str(path)])
     assert row["simulated_ms"] == pytest.approx((m + pp - 1) * t) and row["rel_err"] == pytest.approx(0.0)
+
+
+def test_stage_costs_flag_names_what_is_wrong(capsys):
+    from tools.simulate_pipeline import main
+
+    cases = ((["--stage-costs", "benchmarks/results/e2e_h200x4.json:pp9dp9/bimodal"], "no stage_costs['pp9dp9/bimodal']"),
+             (["--first-stage-layers", "7"], "go with --stage-costs"))
+    for argv, says in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--gpus", "4", "--iters", "1", "--warmup", "0", *argv])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err

@@ -32,8 +32,8 @@ from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, Latency
 from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
 from megatron_sparsebalance.data.distributions import sample_lengths
 from megatron_sparsebalance.pipeline.simulate import StageCostModel, simulate_iteration, uniform_stages
-from megatron_sparsebalance.training.step import pipeline_layer_split
 from megatron_sparsebalance.training.model import MODEL_PRESETS
+from megatron_sparsebalance.training.step import pipeline_layer_split
 
 CONFIGS = {  # name: (batching, dst anchor, dst growth)
     "baseline": ("none", "none", "bubble"), "lbb": ("lbb", "none", "bubble"), "sab": ("sab", "none", "bubble"),
@@ -105,8 +105,12 @@ def stage_costs_of(args):
     if not args.stage_costs:
         return None
     path, _, key = args.stage_costs.rpartition(":")
-    with open(path) as f:
-        fitted = json.load(f)["stage_costs"][key]
+    try:
+        with open(path) as f:
+            fitted = json.load(f).get("stage_costs", {})[key]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--stage-costs {args.stage_costs}: no stage_costs[{key!r}] in {path or '(no file)'} "
+                         f"({type(e).__name__}); give FILE:LAYOUT/DIST of a merged benchmarks/e2e.py results file") from None
     shape = MODEL_PRESETS[args.model]
     split = pipeline_layer_split(shape.num_layers, args.pp, args.first_stage_layers, args.last_stage_layers)
     # The fit's scale maps the run's table to its measured times; here the table's units are kept.
@@ -161,6 +165,12 @@ def main(argv=None):
     p.add_argument("--last-stage-layers", type=int, default=None, help="with --stage-costs: layers of the last stage")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
+    if (args.first_stage_layers is not None or args.last_stage_layers is not None) and not args.stage_costs:
+        p.error("--first-stage-layers / --last-stage-layers go with --stage-costs (without it every stage costs the same)")
+    try:
+        stage_costs_of(args)  # bad input stops here, before any simulation
+    except ValueError as e:
+        p.error(str(e))
     if args.replay:
         rows = replay(args.replay)
         for r in rows:
