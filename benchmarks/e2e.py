@@ -227,51 +227,54 @@ def summarize(dist: str, layout: str, config: str, iterations: list, dp: int, mo
     )
 
 
-def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, latency, stage_aware: bool = False):
+def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, latency) -> dict:
     """The simulator's ideal for these costs: the run's latency model rescaled to the baseline's
     measured micro-batches, every configuration planned with DST unconstrained by ``p``.
 
-    ``stage_aware``: split each micro-batch over the stages with a ``StageCostModel``
-    (``pipeline/simulate.py``) fitted to the baseline's measured stage times, instead of the
-    baseline's stage shares. Returns the speedups and that model (None without ``stage_aware``)."""
+    Returns ``ideal`` (each micro-batch split over the stages by the baseline's stage shares),
+    ``ideal_stage_aware`` (split by a ``StageCostModel`` of ``pipeline/simulate.py``, fitted to the
+    baseline's measured stage times) and that model as ``stage_costs``."""
     import numpy as np
-
-    from megatron_sparsebalance.pipeline.simulate import StageCostModel
 
     from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
     from megatron_sparsebalance.data.datasets import build_dataset
     from megatron_sparsebalance.data.sampler import GlobalBatchSampler
+    from megatron_sparsebalance.pipeline.simulate import StageCostModel
     from tools.simulate_pipeline import CONFIGS as SIM_CONFIGS, simulate_configs
 
     m = args.global_batch_size // (args.micro_batch_size * dp)
     sampler = GlobalBatchSampler(build_dataset(cfg.data).lengths, args.global_batch_size,
                                  SparsityAwareBatcher("none", dp, m), seed=cfg.data.seed)
     batches = [list(sampler.next_plan().lengths) for _ in range(args.warmup + args.iters)]
+    measured = list(zip(baseline_iterations, (
+        SparsityAwareBatcher("none", dp, m, micro_batch_tokens=cfg.batching.micro_batch_tokens).plan(lengths)
+        for lengths in batches[args.warmup:])))
     # Rescale the model to the baseline's measured costs (micro-batch time summed over the stages).
-    ratios = []
-    for it, lengths in zip(baseline_iterations, batches[args.warmup:]):
-        plan = SparsityAwareBatcher("none", dp, m, micro_batch_tokens=cfg.batching.micro_batch_tokens).plan(lengths)
-        for mb, measured in zip(plan.all_micro_batch_lengths(), it["micro_batch_ms"]):
-            ratios.append(measured / (pp * latency.predict(mb, args.moba_topk)))
+    ratios = [ms / (pp * latency.predict(mb, args.moba_topk))
+              for it, plan in measured for mb, ms in zip(plan.all_micro_batch_lengths(), it["micro_batch_ms"])]
     latency.load_calibration({"log_scale": latency.calibration_state()["log_scale"] + math.log(float(np.median(ratios))),
                               "observations": 0})
-    stage_costs = None
-    if stage_aware:
-        split = cfg.pipeline_layer_split()
-        fractions = [n / (sum(split) // pp) for n in split]  # the table's stage has num_layers // PP layers
-        samples = []
-        for it, lengths in zip(baseline_iterations, batches[args.warmup:]):
-            plan = SparsityAwareBatcher("none", dp, m, micro_batch_tokens=cfg.batching.micro_batch_tokens).plan(lengths)
-            for d, replica in enumerate(it["stage_ms"]):
-                for s, stage in enumerate(replica):
-                    for j, (f, b) in enumerate(stage):
-                        mb = plan.micro_batch_lengths(d, j)
-                        samples.append((s, sum(mb), latency.predict(mb, args.moba_topk), f + b))
-        stage_costs = StageCostModel.fit(fractions, samples)
-    times = simulate_configs(batches, latency, pp, dp, m, args.moba_topk, warmup=args.warmup,
-                             configs=SIM_CONFIGS, stage_shares=stage_shares(baseline_iterations),
-                             micro_batch_tokens=cfg.batching.micro_batch_tokens, stage_costs=stage_costs)
-    return {name: times["baseline"] / t for name, t in times.items()}, stage_costs
+    split = cfg.pipeline_layer_split()
+    fractions = [n / (sum(split) // pp) for n in split]  # the table's stage has num_layers // PP layers
+    samples = []  # (stage, tokens, predicted ms, measured forward+backward ms)
+    for it, plan in measured:
+        for d, replica in enumerate(it["stage_ms"]):
+            for s, stage in enumerate(replica):
+                for j, (f, b) in enumerate(stage):
+                    mb = plan.micro_batch_lengths(d, j)
+                    samples.append((s, sum(mb), latency.predict(mb, args.moba_topk), f + b))
+    stage_costs = StageCostModel.fit(fractions, samples)
+    result = {"stage_costs": stage_costs.to_dict()}
+    for key, costs in (("ideal", None), ("ideal_stage_aware", stage_costs)):
+        times = simulate_configs(batches, latency, pp, dp, m, args.moba_topk, warmup=args.warmup,
+                                 configs=SIM_CONFIGS, stage_shares=stage_shares(baseline_iterations),
+                                 micro_batch_tokens=cfg.batching.micro_batch_tokens, stage_costs=costs)
+        result[key] = {name: times["baseline"] / t for name, t in times.items()}
+    return result
+
+
+IDEAL_KEYS = ("ideal", "ideal_stage_aware", "stage_costs")
+"""What :func:`ideal_speedups` gives, each kept per layout/distribution in a results file."""
 
 
 def run(args) -> dict:
@@ -345,11 +348,9 @@ def run(args) -> dict:
                 continue
             cfg = baseline_cfg[dist_name]
             latency = build_latency_model(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-            baseline = result["iterations"][f"{dist_name}/baseline"]
-            result["ideal"][dist_name], _ = ideal_speedups(args, cfg, baseline, pp, dp, latency)
-            speedups, stage_costs = ideal_speedups(args, cfg, baseline, pp, dp, latency, stage_aware=True)
-            result.setdefault("ideal_stage_aware", {})[dist_name] = speedups
-            result.setdefault("stage_costs", {})[dist_name] = stage_costs.to_dict()
+            ideal = ideal_speedups(args, cfg, result["iterations"][f"{dist_name}/baseline"], pp, dp, latency)
+            for key in IDEAL_KEYS:
+                result.setdefault(key, {})[dist_name] = ideal[key]
         result.update(gpu=device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
                       world_size=dist.get_world_size())
     return result
@@ -391,9 +392,8 @@ def print_table(result: dict) -> None:
             print(f"simulator's {name} speedups ({key}): " + ", ".join(f"{n} {v:.3f}" for n, v in ideal.items()))
 
 
-def ideal_from_file(part: dict, dist_name: str, stage_aware: bool = False):
-    """:func:`ideal_speedups` (speedups, stage model) recomputed from a results file (its setup,
-    baseline records and table)."""
+def ideal_from_file(part: dict, dist_name: str) -> dict:
+    """:func:`ideal_speedups` recomputed from a results file (its setup, baseline records and table)."""
     from megatron_sparsebalance.config import build_parser, config_from_args
     from megatron_sparsebalance.pretrain import build_latency_model
 
@@ -407,7 +407,7 @@ def ideal_from_file(part: dict, dist_name: str, stage_aware: bool = False):
     latency = build_latency_model(cfg, torch.device("cpu"))
     pp = LAYOUTS[args.layout][0]
     dp = len(part["iterations"][f"{dist_name}/baseline"][0]["stage_ms"])  # one entry per DP replica
-    return ideal_speedups(args, cfg, part["iterations"][f"{dist_name}/baseline"], pp, dp, latency, stage_aware)
+    return ideal_speedups(args, cfg, part["iterations"][f"{dist_name}/baseline"], pp, dp, latency)
 
 
 def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
@@ -415,7 +415,7 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
 
     ``exclude``: ``LAYOUT/DIST/CONFIG`` rows left out (a row measured in another run than the
     baseline it would be compared with)."""
-    merged = dict(gpu=None, torch=None, rows=[], ideal={}, ideal_stage_aware={}, stage_costs={}, sources=[])
+    merged = dict(gpu=None, torch=None, rows=[], **{key: {} for key in IDEAL_KEYS}, sources=[])
     traces = {}
     for path in paths:
         with open(path) as f:
@@ -428,10 +428,9 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
             if f"{dist_name}/baseline" in part["iterations"]:
                 # Recomputed from the file's own records (also for a run that stopped before its
                 # summary), so every ideal of the merged file comes from the same code.
-                key = f"{part['layout']}/{dist_name}"
-                merged["ideal"][key], _ = ideal_from_file(part, dist_name)
-                merged["ideal_stage_aware"][key], stage_costs = ideal_from_file(part, dist_name, stage_aware=True)
-                merged["stage_costs"][key] = stage_costs.to_dict()
+                ideal = ideal_from_file(part, dist_name)
+                for key in IDEAL_KEYS:
+                    merged[key][f"{part['layout']}/{dist_name}"] = ideal[key]
         merged["sources"].append(os.path.basename(path))
         traces.update({f"{part['layout']}/{k}": v for k, v in part["traces"].items()})
     # A later file's row replaces an earlier one of the same (layout, dist, config).
