@@ -118,7 +118,7 @@ def stage_costs_of(args):
                           fitted["per_token_last"] / fitted["scale"])
 
 
-def predict(args, latency) -> list:
+def predict(args, latency, stage_costs=None) -> list:
     rows = []
     for gpus in args.gpus:
         if gpus % (args.tp * args.pp):
@@ -129,7 +129,7 @@ def predict(args, latency) -> list:
                    for _ in range(args.warmup + args.iters)]
         times = simulate_configs(batches, latency, args.pp, dp, args.micro_batches, args.moba_topk, args.warmup,
                                  micro_batch_tokens=args.micro_batch_tokens or args.micro_batch_size * args.seq_length,
-                                 stage_costs=stage_costs_of(args))
+                                 stage_costs=stage_costs)
         for name, t in times.items():
             rows.append(dict(gpus=gpus, dp=dp, pp=args.pp, tp=args.tp, dist=args.dist, config=name, iter_ms=t,
                              speedup=times["baseline"] / t))
@@ -168,7 +168,7 @@ def main(argv=None):
     if (args.first_stage_layers is not None or args.last_stage_layers is not None) and not args.stage_costs:
         p.error("--first-stage-layers / --last-stage-layers go with --stage-costs (without it every stage costs the same)")
     try:
-        stage_costs_of(args)  # bad input stops here, before any simulation
+        stage_costs = stage_costs_of(args)  # bad input stops here, before any simulation
     except ValueError as e:
         p.error(str(e))
     if args.replay:
@@ -185,7 +185,7 @@ def main(argv=None):
         else:
             latency = AnalyticLatencyModel(shape, shape.num_layers // args.pp, block_size=args.moba_block_size,
                                            hardware="h200", tensor_parallel_size=args.tp)
-        rows = predict(args, latency)
+        rows = predict(args, latency, stage_costs)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"mode": "replay" if args.replay else "predict", "args": vars(args), "rows": rows}, f, indent=1)
