@@ -135,7 +135,7 @@ class SparseCoreAttention(MegatronModule):
     def _attend(self, q, k, v, cu_seqlens, host_cu_seqlens=None) -> torch.Tensor:
         cfg = self.sparse_config
         if not cfg.sparse_attention:
-            return dense_causal_attention(q, k, v, cu_seqlens, self.softmax_scale)
+            return dense_causal_attention(q, k, v, cu_seqlens, self.softmax_scale, host_cu_seqlens)
         impl = resolve_impl(cfg.sparse_attn_impl, q.device)
         scope = active_scope()
         request = scope.request if scope is not None else None
