@@ -501,10 +501,13 @@ def main(argv=None) -> int:
     shared = {}
     done = run_all(runs, args, gpus, deadline, shared)
     rows = [result_row(r, *done.get(r.config, (None, 0.0, False)), args.gpus_per_run, args.pp) for r in runs]
+    env = environment()
     for row in rows:
+        # rows of calls joined by --merge may come from different machines: each says where it ran
+        row["gpu"], row["gpus_visible"] = env["gpu"], env["gpus_visible"]
         if shared.get(row["config"]):
             row["shared_gpu_with"] = shared[row["config"]]  # its wall time is not comparable
-    result = {**environment(), "rows": rows, "total_wall_s": time.perf_counter() - t0,
+    result = {**env, "rows": rows, "total_wall_s": time.perf_counter() - t0,
               "settings": dict(vars(args)), "start": start,
               "commands": {r.config: r.flags for r in runs},
               "measured": "wall_s: training iterations only (sum of pretrain's elapsed_ms); process_wall_s: the "

@@ -362,6 +362,7 @@ def test_fidelity_benchmark_smoke(tmp_path):
         assert 0.0 <= r["retrieval_acc"] <= 1.0 and r["val_samples"] == 4 and r["val_questions"] >= 4
         assert sum(c["n"] for c in r["acc_by_length"].values()) == r["val_questions"] and r["acc_by_distance"]
         assert r["eval_iteration"] == 2 and "stopped" not in r
+        assert r["gpu"] == "cpu" and r["gpus_visible"] == 0  # where the row ran, kept through --merge
         assert len(r["loss_curve"]) == 2 and r["eval_curve"][-1][0] == 2
     assert dense["tokens"] == sb["tokens"]  # same seed, same samples
     assert dense["mean_budget"] is None and sb["mean_budget"] > 0 and 0 < sb["mean_coverage"] <= 1
@@ -430,7 +431,8 @@ def test_fidelity_stops_runs_at_the_total_time_limit(tmp_path):
                "--moba-block-size", "64", "--moba-topk", "4", "--total-timeout-s", "1", "--out", out])
     rows = json.load(open(os.path.join(out, "fidelity.json")))["rows"]
     assert rc == 1 and rows[0]["config"] == "fixed" and rows[0]["exit_code"] != 0 and "error" in rows[0]
-    assert rows[1] == {"config": "dense", "seed": 1234, "exit_code": None, "error": "not started: --total-timeout-s"}
+    assert rows[1] == {"config": "dense", "seed": 1234, "exit_code": None, "error": "not started: --total-timeout-s",
+                       "gpu": "cpu", "gpus_visible": 0}
 
 
 def _fake_run(tmp_path, config, iterations, evaluated):
