@@ -100,8 +100,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="iterations before the measured ones (the first ones compile kernels for the shapes and budgets they meet)")
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--exclude", nargs="*", default=[], metavar="LAYOUT/DIST/CONFIG",
-                   help="with --merge: rows to leave out of the merged file")
+    p.add_argument("--exclude", nargs="*", default=[], metavar="[FILE:]LAYOUT/DIST/CONFIG",
+                   help="with --merge: rows to leave out of the merged file; with FILE: (a base name) only "
+                        "that file's row, so a later measurement in another file can replace it")
     p.add_argument("--prewarm", nargs="*", default=[], choices=sorted(CONFIGS), metavar="CONFIG",
                    help="run these configurations once per distribution, untimed, before the measured runs "
                         "(compiles the kernel variants the runs meet; on a fresh machine the first run pays for them)")
@@ -410,11 +411,19 @@ def ideal_from_file(part: dict, dist_name: str) -> dict:
     return ideal_speedups(args, cfg, part["iterations"][f"{dist_name}/baseline"], pp, dp, latency)
 
 
+def is_excluded(row: dict, exclude, source: str | None = None) -> bool:
+    """Whether ``--exclude`` leaves ``row`` out: an entry ``LAYOUT/DIST/CONFIG`` drops that row
+    whichever file holds it; ``FILE:LAYOUT/DIST/CONFIG`` only the row of the file named ``FILE``
+    (its base name), so another file's row of the same key can take its place."""
+    key = f"{row['layout']}/{row['dist']}/{row['config']}"
+    return any(entry == key or (source is not None and entry == f"{source}:{key}") for entry in exclude)
+
+
 def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
     """Join per-layout files into one results file (rows only, plus the ideals) and draw the figures.
 
-    ``exclude``: ``LAYOUT/DIST/CONFIG`` rows left out (a row measured in another run than the
-    baseline it would be compared with)."""
+    ``exclude``: rows left out (a row measured in another run than the baseline it would be
+    compared with, or one measured again elsewhere), see :func:`is_excluded`."""
     merged = dict(gpu=None, torch=None, rows=[], **{key: {} for key in IDEAL_KEYS}, sources=[])
     traces = {}
     for path in paths:
@@ -423,7 +432,8 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
         # A file cut short by a failure has no summary fields; the others name the GPU.
         merged["gpu"] = part.get("gpu", merged["gpu"])
         merged["torch"] = part.get("torch", merged["torch"])
-        merged["rows"] += part["rows"]
+        source = os.path.basename(path)
+        merged["rows"] += [r for r in part["rows"] if not is_excluded(r, exclude, source)]
         for dist_name in part["setup"]["dists"]:
             if f"{dist_name}/baseline" in part["iterations"]:
                 # Recomputed from the file's own records (also for a run that stopped before its
@@ -431,11 +441,11 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
                 ideal = ideal_from_file(part, dist_name)
                 for key in IDEAL_KEYS:
                     merged[key][f"{part['layout']}/{dist_name}"] = ideal[key]
-        merged["sources"].append(os.path.basename(path))
+        merged["sources"].append(source)
         traces.update({f"{part['layout']}/{k}": v for k, v in part["traces"].items()})
     # A later file's row replaces an earlier one of the same (layout, dist, config).
     merged["rows"] = [r for r in {(r["layout"], r["dist"], r["config"]): r for r in merged["rows"]}.values()
-                      if f"{r['layout']}/{r['dist']}/{r['config']}" not in set(exclude)]
+                      if not is_excluded(r, exclude)]
     merged["excluded"] = list(exclude)
     add_speedups(merged["rows"])
     path = os.path.join(out_dir, f"e2e_{tag}.json")

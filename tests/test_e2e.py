@@ -104,3 +104,15 @@ def test_stage_cost_model_recovers_the_output_layer_cost():
               ((s, t, StageCostModel(two, 0.8, 0.01)([t], 1e-3 * t)[s]) for t in range(8000, 16001, 1000) for s in (0, 1))]
     fit2 = StageCostModel.fit(two, linear)
     assert fit2.scale == pytest.approx(0.8, rel=1e-6) and fit2.per_token_last == pytest.approx(0.01, rel=1e-6)
+
+
+def test_exclude_names_a_row_everywhere_or_in_one_file():
+    from benchmarks.e2e import is_excluded
+
+    row = {"layout": "pp2dp2", "dist": "longtail", "config": "dense"}
+    assert is_excluded(row, ["pp2dp2/longtail/dense"]) and is_excluded(row, ["pp2dp2/longtail/dense"], "a.json")
+    # a file-qualified entry drops the row of that file only, and never the merged row
+    assert is_excluded(row, ["a.json:pp2dp2/longtail/dense"], "a.json")
+    assert not is_excluded(row, ["a.json:pp2dp2/longtail/dense"], "b.json")
+    assert not is_excluded(row, ["a.json:pp2dp2/longtail/dense"])
+    assert not is_excluded(row, ["pp2dp2/bimodal/dense", "pp4dp1/longtail/dense"], "a.json")
