@@ -24,7 +24,6 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -283,7 +282,6 @@ def main(argv=None):
                 if density < 1.0:
                     kk = budget_for_density(nb, density)
                     with torch.no_grad():
-                        t0 = time.perf_counter()
                         route = select_blocks(block_scores(q, k, lay), lay, kk)
                     if (name, S, density) not in routers:  # router cost once per case (same for every impl)
                         rms = cuda_time(lambda: select_blocks(block_scores(q, k, lay), lay, kk), iters=5, warmup=1)

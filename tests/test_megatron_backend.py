@@ -6,7 +6,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_sparsebalance.attention import SparseAttentionConfig, SparseCoreAttention, budget_scope, get_gpt_layer_spec
 from megatron_sparsebalance.data.synthetic import copy_task_batch
-from megatron_sparsebalance.ops.naive import dense_causal_attention
+from megatron_sparsebalance.ops.dense import dense_causal_attention
 from megatron_sparsebalance.training.model import MODEL_PRESETS, build_gpt_model, transformer_config
 
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_sparsebalance.ops import BlockLayout, block_scores, select_blocks, sparse_attention
-from megatron_sparsebalance.ops.naive import dense_causal_attention, sparse_attention_naive
+from megatron_sparsebalance.ops.dense import dense_causal_attention
+from megatron_sparsebalance.ops.naive import sparse_attention_naive
 
 
 def pack(lengths, hq=4, g=2, d=16, dtype=torch.float32):

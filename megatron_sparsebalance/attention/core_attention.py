@@ -23,7 +23,7 @@ from megatron_sparsebalance.attention.budget import LayerBudget, active_scope
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
 from megatron_sparsebalance.ops.implementations import attention_function, resolve_impl
 from megatron_sparsebalance.ops.layout import LayoutCache, uniform_cu_seqlens
-from megatron_sparsebalance.ops.naive import dense_causal_attention
+from megatron_sparsebalance.ops.dense import dense_causal_attention
 from megatron_sparsebalance.ops.sparse_attention import RouteStats, check_qkv, route
 
 

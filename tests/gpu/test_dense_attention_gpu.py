@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatron_sparsebalance.ops.naive import dense_causal_attention
+from megatron_sparsebalance.ops.dense import dense_causal_attention
 from tests.checks import run_without_sync
 
 pytestmark = pytest.mark.gpu
