@@ -262,7 +262,7 @@ def main(argv=None):
         # One compilation per case (shape, length, mask). Past dynamo's recompile limit (8) Flex
         # would silently run eagerly, materialising the S x S scores (128 GiB at 3B, 32K).
         torch._dynamo.config.recompile_limit = 256
-    rows, router_rows, routers = [], [], {}
+    rows, routers = [], {}  # routers: one row per (shape, S, density), in measuring order
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in shapes:
         hq, g, d = SHAPES[name]
@@ -290,7 +290,6 @@ def main(argv=None):
                         fms = cuda_time(lambda: sparse_route(q, k, lay, kk, track_coverage=True), iters=5, warmup=1)
                         routers[name, S, density] = dict(shape=name, seq=S, density=density, k=kk, router_ms=rms,
                                                          router_gpu_ms=fms)
-                        router_rows.append(routers[name, S, density])
                     kept_heads = route.kept_blocks() * (hq // g)
                     if impl == "flex":
                         bm = flex_block_mask(route, hq, S)
@@ -324,7 +323,7 @@ def main(argv=None):
                 del step, forward
             del q, k, v, go
             torch.cuda.empty_cache()
-    result = dict(meta, rows=rows, router=router_rows)
+    result = dict(meta, rows=rows, router=list(routers.values()))
     out = args.out or (os.path.join(os.environ["OUT"], "attention_h200.json") if os.environ.get("OUT") else None)
     if out:
         with open(out, "w") as f:

@@ -444,8 +444,8 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
         merged["sources"].append(source)
         traces.update({f"{part['layout']}/{k}": v for k, v in part["traces"].items()})
     # A later file's row replaces an earlier one of the same (layout, dist, config).
-    merged["rows"] = [r for r in {(r["layout"], r["dist"], r["config"]): r for r in merged["rows"]}.values()
-                      if not is_excluded(r, exclude)]
+    # (--exclude was applied per file above: an unqualified entry drops the row in every file.)
+    merged["rows"] = list({(r["layout"], r["dist"], r["config"]): r for r in merged["rows"]}.values())
     merged["excluded"] = list(exclude)
     add_speedups(merged["rows"])
     path = os.path.join(out_dir, f"e2e_{tag}.json")
