@@ -192,12 +192,18 @@ def tune_triton(shape_names, S=32768, density=0.25):
     from megatron_sparsebalance.ops import triton_attention as ta
 
     cands = {
-        "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)],
-        "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 3)],
-        "dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2)],
+        # 4-warp tiles with two stages fit two programs on an SM (registers and shared memory):
+        # the two programs' loads and tensor-core work then overlap, which one program of a
+        # Triton loop does not do by itself.
+        "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3),
+                (64, 64, 4, 2), (128, 64, 4, 2)],
+        "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 128, 8, 2), (32, 64, 4, 3),
+                 (64, 64, 8, 3), (64, 128, 8, 3), (64, 64, 4, 2), (128, 64, 4, 2)],
+        "dq": [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2),
+               (64, 64, 4, 2), (128, 64, 4, 2)],
     }
     gen = torch.Generator(device="cuda").manual_seed(1)
-    report = {}
+    report, timings = {}, {}
     for name in shape_names:
         hq, g, d = SHAPES[name]
         q, k, v = make_inputs(S, hq, g, d, gen)
@@ -219,13 +225,14 @@ def tune_triton(shape_names, S=32768, density=0.25):
                     print(f"tune {name} {kind} {cfg}: {type(e).__name__}", flush=True)
                     continue
                 print(f"tune {name} {kind} {cfg}: {ms:.3f} ms", flush=True)
+                timings.setdefault(f"{kind}/{d}", []).append(dict(cfg=list(cfg), ms=ms))
                 if best is None or ms < best[0]:
                     best = (ms, cfg)
             ta.CONFIGS[(kind, d)] = best[1]
             report[f"{kind}/{d}"] = best
         del q, k, v, out, lse, go
     print("tuned:", json.dumps({k: v[1] for k, v in report.items()}), flush=True)
-    return {k: list(v[1]) for k, v in report.items()}
+    return {k: list(v[1]) for k, v in report.items()}, timings
 
 
 def main(argv=None):
@@ -249,7 +256,9 @@ def main(argv=None):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), block_size=BLOCK, dtype="bfloat16",
                 notes=NOTES)
-    tuned = tune_triton(shapes) if args.tune and "triton" in impls else None
+    tuned = None
+    if args.tune and "triton" in impls:
+        tuned, meta["triton_tune_ms"] = tune_triton(shapes)  # every candidate's time, kept with the pick
     if "triton" in impls:
         from megatron_sparsebalance.ops.triton_attention import CONFIGS
 

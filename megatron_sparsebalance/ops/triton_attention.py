@@ -42,13 +42,18 @@ LOG2E = 1.4426950408889634
 
 # Tile choices per (kernel, head dim); the benchmark may overwrite them after a sweep. Each is
 # (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages); BLOCK_N is clamped to the block size.
+# The dK/dV tiles fit two programs on an SM (4 warps, 2 stages). Triton waits for each of the
+# kernel's four dependent products before the work that needs it, so one program leaves its
+# tensor cores idle through its softmax work and a second program fills those gaps: at 3B, 32K
+# 1.13-1.16x faster than the 8-warp tile (one program per SM); at 0.5B twice the rows per step
+# while still two programs, 1.34-1.38x (docs/BENCHMARKS.md, "What limits the kernels").
 CONFIGS = {  # picked on an H200 at S=32K, density 25% (benchmarks/attention.py --tune)
     ("fwd", 64): (64, 64, 4, 3),
-    ("fwd", 128): (128, 128, 8, 3),
-    ("dq", 64): (128, 128, 8, 2),
+    ("fwd", 128): (128, 64, 4, 2),
+    ("dq", 64): (64, 64, 4, 3),
     ("dq", 128): (128, 128, 8, 2),
-    ("dkdv", 64): (64, 64, 4, 3),
-    ("dkdv", 128): (64, 128, 8, 2),
+    ("dkdv", 64): (128, 64, 4, 2),
+    ("dkdv", 128): (64, 64, 4, 2),
 }
 
 
@@ -231,11 +236,14 @@ def _dkdv_kernel(
             dsT = pT * (dpT - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
         # Later query blocks that selected this block: the block is fully visible to them; only
-        # the rows past a partial (last-of-sequence) query block are masked.
+        # the rows past a partial (last-of-sequence) query block are masked. The list is walked
+        # from its end: every resident program then starts at the last query blocks of the
+        # sequence and moves down at about the same pace, so programs that share a query block
+        # read it at about the same time and mostly from L2 (hit rate 24% -> 44% at 3B, 32K, 25%).
         p0 = tl.load(Q_PTR + g * NB + kb)
         nq = tl.load(Q_PTR + g * NB + kb + 1) - p0
         for it in range(0, (nq - 1) * NSUBQ):
-            qb = tl.load(Q_IDX + p0 + 1 + it // NSUBQ)
+            qb = tl.load(Q_IDX + p0 + nq - 1 - it // NSUBQ)
             q0 = tl.load(BSTART + qb)
             qrows = (tl.load(BEND + qb) - q0) * R
             rows = (it % NSUBQ) * BLOCK_M + offs_m
