@@ -193,8 +193,8 @@ def tune_triton(shape_names, S=32768, density=0.25):
 
     cands = {
         # 4-warp tiles with two stages fit two programs on an SM (registers and shared memory):
-        # the two programs' loads and tensor-core work then overlap, which one program of a
-        # Triton loop does not do by itself.
+        # one program's products then overlap the other's softmax work, where a single program
+        # of a Triton loop waits for each of its products.
         "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3),
                 (64, 64, 4, 2), (128, 64, 4, 2)],
         "dkdv": [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 128, 8, 2), (32, 64, 4, 3),
