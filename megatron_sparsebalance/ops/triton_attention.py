@@ -311,13 +311,15 @@ def _backward(do, q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend, scale: float,
     if T == 0 or NB == 0:
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     do = do.contiguous()  # autograd may hand over a strided gradient; the kernels index it densely
-    # The index first: its sort temporaries are freed before the gradients are allocated.
-    q_ptr, q_idx = transpose_index_gpu(kv_idx, kv_cnt)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
     delta = torch.empty(T, HQ, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(T * HQ, 64),)](out, do, delta, T * HQ, D=D, BLOCK_R=64, num_warps=4)
+    # The transposed index lives only through the dK/dV kernel: its sort temporaries are freed
+    # before any gradient is allocated, and the index itself before dQ is, so the backward's
+    # peak is the three gradients and delta, as in FlexAttention (whose index comes with its
+    # BlockMask, built before the step).
+    q_ptr, q_idx = transpose_index_gpu(kv_idx, kv_cnt)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
     bm, bn, warps, stages = _tile("dkdv", D, block_size)
     ksub = block_size // bn
     _dkdv_kernel[(NB * ksub, G)](
@@ -326,6 +328,8 @@ def _backward(do, q, k, v, out, lse, kv_idx, kv_cnt, bstart, bend, scale: float,
         R=R, HQ=HQ, G=G, D=D, BLOCK=block_size, KSUB=ksub, NSUBQ=triton.cdiv(block_size * R, bm),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
     )
+    del q_ptr, q_idx
+    dq = torch.empty_like(q)
     bm, bn, warps, stages = _tile("dq", D, block_size)
     tpb = triton.cdiv(block_size * R, bm)
     _dq_kernel[(NB * tpb, G)](

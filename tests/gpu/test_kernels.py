@@ -132,6 +132,36 @@ def test_large_values_no_nan(impl):
         assert torch.isfinite(t).all()
 
 
+def test_triton_backward_peak_is_the_gradients_and_delta():
+    """The transposed index is freed before dQ is allocated, so at the backward's peak only the
+    three gradients and delta are live (what FlexAttention's backward holds; its index comes with
+    its BlockMask, built before the step). The index here is 128 KiB, above any rounding."""
+    from megatron_sparsebalance.ops import triton_attention as ta
+
+    _impl("triton")
+    q, k, v, route = _pack([8192], 16, 2, 128, torch.bfloat16, 64, "all")
+    lay = route.layout
+    scale = 1 / math.sqrt(128)
+    args = (route.kv_idx, route.kv_cnt, lay.block_start, lay.block_end, scale, 64)
+    with torch.no_grad():
+        out, lse = ta._forward(q, k, v, *args)
+    go = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    dq, dk, dv = ta._backward(go, q.detach(), k.detach(), v.detach(), out, lse, *args)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+
+    def block_bytes(n):  # the caching allocator hands out multiples of 512 bytes
+        return -(-n // 512) * 512
+
+    live = [t.numel() * t.element_size() for t in (dq, dk, dv)] + [q.shape[0] * q.shape[1] * 4]  # + delta
+    index_bytes = route.kv_idx.numel() * 4
+    assert index_bytes >= 128 * 1024
+    assert peak <= sum(block_bytes(n) for n in live), (peak, sum(live), index_bytes)
+
+
 def test_transposed_index_matches_router():
     from megatron_sparsebalance.ops.router import transpose_route_index
     from megatron_sparsebalance.ops.triton_attention import transpose_index_gpu
