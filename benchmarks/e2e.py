@@ -240,7 +240,7 @@ def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, laten
     from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
     from megatron_sparsebalance.data.datasets import build_dataset
     from megatron_sparsebalance.data.sampler import GlobalBatchSampler
-    from megatron_sparsebalance.pipeline.simulate import StageCostModel
+    from megatron_sparsebalance.pipeline.simulate import StageCostModel, layer_fractions
     from tools.simulate_pipeline import CONFIGS as SIM_CONFIGS, simulate_configs
 
     m = args.global_batch_size // (args.micro_batch_size * dp)
@@ -255,8 +255,7 @@ def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, laten
               for it, plan in measured for mb, ms in zip(plan.all_micro_batch_lengths(), it["micro_batch_ms"])]
     latency.load_calibration({"log_scale": latency.calibration_state()["log_scale"] + math.log(float(np.median(ratios))),
                               "observations": 0})
-    split = cfg.pipeline_layer_split()
-    fractions = [n / (sum(split) // pp) for n in split]  # the table's stage has num_layers // PP layers
+    fractions = layer_fractions(cfg.pipeline_layer_split(), pp)
     samples = []  # (stage, tokens, predicted ms, measured forward+backward ms)
     for it, plan in measured:
         for d, replica in enumerate(it["stage_ms"]):
@@ -266,9 +265,10 @@ def ideal_speedups(args, cfg, baseline_iterations: list, pp: int, dp: int, laten
                     samples.append((s, sum(mb), latency.predict(mb, args.moba_topk), f + b))
     stage_costs = StageCostModel.fit(fractions, samples)
     result = {"stage_costs": stage_costs.to_dict()}
+    shares = stage_shares(baseline_iterations)
     for key, costs in (("ideal", None), ("ideal_stage_aware", stage_costs)):
         times = simulate_configs(batches, latency, pp, dp, m, args.moba_topk, warmup=args.warmup,
-                                 configs=SIM_CONFIGS, stage_shares=stage_shares(baseline_iterations),
+                                 configs=SIM_CONFIGS, stage_shares=shares,
                                  micro_batch_tokens=cfg.batching.micro_batch_tokens, stage_costs=costs)
         result[key] = {name: times["baseline"] / t for name, t in times.items()}
     return result

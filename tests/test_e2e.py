@@ -80,9 +80,10 @@ def test_stage_cost_model_recovers_the_output_layer_cost():
     the output layer's per-token cost; only the layer part follows the budget."""
     import random
 
-    from megatron_sparsebalance.pipeline.simulate import StageCostModel
+    from megatron_sparsebalance.pipeline.simulate import StageCostModel, layer_fractions
 
     fractions = [7 / 6, 8 / 6, 8 / 6, 1 / 6]  # layers 7/8/8/1 against a 6-layer table stage
+    assert layer_fractions([7, 8, 8, 1], 4) == fractions
     truth = StageCostModel(fractions, 0.9, 0.02)
     rng = random.Random(0)
     samples = []

@@ -31,7 +31,7 @@ from megatron_sparsebalance.balance.dst import DSTConfig, PipelineShape, plan_bu
 from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, LatencyModel
 from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
 from megatron_sparsebalance.data.distributions import sample_lengths
-from megatron_sparsebalance.pipeline.simulate import StageCostModel, simulate_iteration, uniform_stages
+from megatron_sparsebalance.pipeline.simulate import StageCostModel, layer_fractions, simulate_iteration, uniform_stages
 from megatron_sparsebalance.training.model import MODEL_PRESETS
 from megatron_sparsebalance.training.step import pipeline_layer_split
 
@@ -114,8 +114,7 @@ def stage_costs_of(args):
     shape = MODEL_PRESETS[args.model]
     split = pipeline_layer_split(shape.num_layers, args.pp, args.first_stage_layers, args.last_stage_layers)
     # The fit's scale maps the run's table to its measured times; here the table's units are kept.
-    return StageCostModel([n / (shape.num_layers // args.pp) for n in split], 1.0,
-                          fitted["per_token_last"] / fitted["scale"])
+    return StageCostModel(layer_fractions(split, args.pp), 1.0, fitted["per_token_last"] / fitted["scale"])
 
 
 def predict(args, latency, stage_costs=None) -> list:

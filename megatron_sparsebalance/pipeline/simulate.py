@@ -112,6 +112,13 @@ def uniform_stages(micro_batch_ms: Sequence[float], pp: int) -> list:
     return [list(micro_batch_ms) for _ in range(pp)]
 
 
+def layer_fractions(split: Sequence[int], pp: int) -> list:
+    """Each stage's layers (``split``, as ``pipeline_layer_split`` gives them) as a fraction of the
+    latency table's stage, which is profiled with ``num_layers // pp`` layers."""
+    per_table_stage = sum(split) // pp
+    return [n / per_table_stage for n in split]
+
+
 class StageCostModel:
     """A micro-batch's forward+backward ms on each pipeline stage.
 
