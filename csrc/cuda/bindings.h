@@ -5,7 +5,8 @@
 
 namespace sparsebalance {
 
-// Adds sparse_attn_fwd_cuda / sparse_attn_bwd_cuda to the extension module.
+// Adds sparse_attn_fwd_cuda, sparse_attn_bwd_dkdv_cuda and sparse_attn_bwd_dq_cuda to the
+// extension module.
 void register_cuda_ops(pybind11::module& m);
 
 }  // namespace sparsebalance

@@ -52,10 +52,16 @@ def _forward(q, k, v, kv_idx, kv_cnt, block_start, block_end, softmax_scale: flo
 
 def _backward(do, q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end, softmax_scale: float, block_size: int):
     """``(dq [T, HQ, D], dk [T, G, D], dv [T, G, D])``."""
+    do = _aligned(do)
+    # The transposed index lives only through the dK/dV kernel and is freed before dQ is
+    # allocated: the backward's peak is the three gradients and delta, as FlexAttention's.
     q_ptr, q_idx = transpose_index_gpu(kv_idx, kv_cnt)
-    return native.native().sparse_attn_bwd_cuda(
-        _aligned(do), q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end, q_ptr, q_idx,
-        softmax_scale, block_size)
+    dk, dv, delta = native.native().sparse_attn_bwd_dkdv_cuda(
+        do, q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end, q_ptr, q_idx, softmax_scale, block_size)
+    del q_ptr, q_idx
+    dq = native.native().sparse_attn_bwd_dq_cuda(
+        do, q, k, v, lse, delta, kv_idx, kv_cnt, block_start, block_end, softmax_scale, block_size)
+    return dq, dk, dv
 
 
 # torch.library ops (traced by torch.compile) and the eager autograd path, see registration.py

@@ -132,13 +132,15 @@ def test_large_values_no_nan(impl):
         assert torch.isfinite(t).all()
 
 
-def test_triton_backward_peak_is_the_gradients_and_delta():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_backward_peak_is_the_gradients_and_delta(impl):
     """The transposed index is freed before dQ is allocated, so at the backward's peak only the
     three gradients and delta are live (what FlexAttention's backward holds; its index comes with
     its BlockMask, built before the step). The index here is 128 KiB, above any rounding."""
-    from megatron_sparsebalance.ops import triton_attention as ta
+    import importlib
 
-    _impl("triton")
+    _impl(impl)
+    ta = importlib.import_module(f"megatron_sparsebalance.ops.{impl}_attention")
     q, k, v, route = _pack([8192], 16, 2, 128, torch.bfloat16, 64, "all")
     lay = route.layout
     scale = 1 / math.sqrt(128)
