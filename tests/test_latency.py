@@ -339,3 +339,19 @@ def test_timing_runs_past_iters_until_min_time_and_stops_at_the_cap():
         else:  # 30 ms at ~2 ms a call: well past the 3 iterations, well under the cap
             assert 8 <= timed < tool.MAX_TIMED_ITERS
         assert ms >= seconds * 1e3
+
+
+def test_cuda_kernel_version_follows_the_compiled_sources(tmp_path, monkeypatch):
+    """The CUDA implementation's version hashes the .cu/.cuh sources compiled into ``_C``, not
+    only its Python launcher: a kernel edit must invalidate tables profiled with the old kernel."""
+    from megatron_sparsebalance.balance import latency
+
+    sources = latency.kernel_sources("cuda")
+    assert any(p.endswith(os.path.join("csrc", "cuda", "attention_kernels.cuh")) for p in sources)
+    launcher, kernel = tmp_path / "launcher.py", tmp_path / "kernels.cuh"
+    launcher.write_text("def launch(): pass\n")
+    kernel.write_text("__global__ void k() {}\n")
+    monkeypatch.setattr(latency, "kernel_sources", lambda impl: [str(launcher), str(kernel)])
+    before = latency.kernel_version_of("cuda")
+    kernel.write_text("__global__ void k() { /* faster */ }\n")
+    assert latency.kernel_version_of("cuda") != before

@@ -343,11 +343,12 @@ def device_name() -> str:
     return "cpu"
 
 
-def kernel_version_of(impl: str) -> str:
-    """A version string of an attention implementation: its module's ``KERNEL_VERSION`` if it
-    declares one, else the hash of its source, so a table is invalidated when the kernel changes."""
-    import hashlib
+def kernel_sources(impl: str) -> list[str]:
+    """The files whose text defines an attention implementation: its Python module, and for
+    ``cuda`` the CUDA sources next to the package when it runs from a checkout (they are compiled
+    into ``_C``; the module alone only launches them)."""
     import importlib.util
+    import os
 
     module = {
         "torch": "megatron_sparsebalance.ops.naive",
@@ -355,16 +356,38 @@ def kernel_version_of(impl: str) -> str:
         "cuda": "megatron_sparsebalance.ops.cuda_attention",
     }.get(impl)
     if module is None:
-        return "unknown"
+        return []
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
-        return "unavailable"
-    with open(spec.origin, "rb") as f:
-        source = f.read()
-    for line in source.decode(errors="replace").splitlines():
+        return []
+    paths = [spec.origin]
+    if impl == "cuda":
+        csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(spec.origin))), "csrc", "cuda")
+        if os.path.isdir(csrc):
+            paths += sorted(os.path.join(csrc, f) for f in os.listdir(csrc) if f.endswith((".cu", ".cuh", ".h")))
+    return paths
+
+
+def kernel_version_of(impl: str) -> str:
+    """A version string of an attention implementation: its module's ``KERNEL_VERSION`` if it
+    declares one, else a hash of :func:`kernel_sources`, so a table is invalidated when the
+    kernel changes."""
+    import hashlib
+
+    paths = kernel_sources(impl)
+    if not paths:
+        return "unknown" if impl not in ("torch", "triton", "cuda") else "unavailable"
+    sources = []
+    for path in paths:
+        with open(path, "rb") as f:
+            sources.append(f.read())
+    for line in sources[0].decode(errors="replace").splitlines():
         if line.startswith("KERNEL_VERSION"):
             return line.split("=", 1)[1].strip().strip("'\"")
-    return "src-" + hashlib.sha1(source).hexdigest()[:12]
+    digest = hashlib.sha1()
+    for source in sources:
+        digest.update(source)
+    return "src-" + digest.hexdigest()[:12]
 
 
 # --------------------------------------------------------------------------------------------
