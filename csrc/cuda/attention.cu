@@ -61,6 +61,23 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 "index tensors must be contiguous int32 CUDA tensors");
 }
 
+// The kernels' element type and head dim as a value, so one generic lambda serves all four.
+template <typename T, int D>
+struct Kind {
+  using type = T;
+  static constexpr int dim = D;
+};
+
+// Calls run(Kind<T, D>{}) for q's dtype and head dim (check_inputs allows no others).
+template <typename Fn>
+void dispatch(const at::Tensor& q, Fn&& run) {
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  if (q.size(2) == 64)
+    bf16 ? run(Kind<__nv_bfloat16, 64>{}) : run(Kind<__half, 64>{});
+  else
+    bf16 ? run(Kind<__nv_bfloat16, 128>{}) : run(Kind<__half, 128>{});
+}
+
 Params make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& kv_idx, const at::Tensor& kv_cnt,
                    const at::Tensor& bstart, const at::Tensor& bend, double scale, int64_t block) {
   Params p{};
@@ -96,7 +113,7 @@ void run_dkdv(const Params& p, int64_t nrows, cudaStream_t s) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   constexpr int QT = Tiles<D>::DKDV_QT;
-  launch(dkdv_kernel<T, D, 1, QT>, dim3(p.NB * (p.block / CHUNK), p.G), CHUNK / WARP_ROWS * 32,
+  launch(dkdv_kernel<T, D, QT>, dim3(p.NB * (p.block / CHUNK), p.G), CHUNK / WARP_ROWS * 32,
          dkdv_smem<T, D, QT>(), s, p);
 }
 
@@ -124,11 +141,7 @@ std::vector<at::Tensor> sparse_attn_fwd_cuda(const at::Tensor& q, const at::Tens
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   auto s = at::cuda::getCurrentCUDAStream().stream();
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  if (q.size(2) == 64)
-    bf16 ? run_fwd<__nv_bfloat16, 64>(p, s) : run_fwd<__half, 64>(p, s);
-  else
-    bf16 ? run_fwd<__nv_bfloat16, 128>(p, s) : run_fwd<__half, 128>(p, s);
+  dispatch(q, [&](auto kind) { run_fwd<typename decltype(kind)::type, decltype(kind)::dim>(p, s); });
   return {out, lse};
 }
 
@@ -175,11 +188,7 @@ std::vector<at::Tensor> sparse_attn_bwd_dkdv_cuda(const at::Tensor& dout, const 
   p.q_idx = q_idx.data_ptr<int>();
   auto s = at::cuda::getCurrentCUDAStream().stream();
   const int64_t nrows = q.size(0) * q.size(1);
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  if (q.size(2) == 64)
-    bf16 ? run_dkdv<__nv_bfloat16, 64>(p, nrows, s) : run_dkdv<__half, 64>(p, nrows, s);
-  else
-    bf16 ? run_dkdv<__nv_bfloat16, 128>(p, nrows, s) : run_dkdv<__half, 128>(p, nrows, s);
+  dispatch(q, [&](auto kind) { run_dkdv<typename decltype(kind)::type, decltype(kind)::dim>(p, nrows, s); });
   return {dk, dv, delta};
 }
 
@@ -203,11 +212,7 @@ at::Tensor sparse_attn_bwd_dq_cuda(const at::Tensor& dout, const at::Tensor& q, 
   p.lse = lse.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
   auto s = at::cuda::getCurrentCUDAStream().stream();
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  if (q.size(2) == 64)
-    bf16 ? run_dq<__nv_bfloat16, 64>(p, s) : run_dq<__half, 64>(p, s);
-  else
-    bf16 ? run_dq<__nv_bfloat16, 128>(p, s) : run_dq<__half, 128>(p, s);
+  dispatch(q, [&](auto kind) { run_dq<typename decltype(kind)::type, decltype(kind)::dim>(p, s); });
   return dq;
 }
 

@@ -578,14 +578,15 @@ struct QueryWalk {
   }
 };
 
-// Grid (NB * block / CHUNK, G); CTA of CHUNK / (16 MI) warps, each owning MI slices of 16 keys of
-// the chunk, over query tiles of QT rows. Scores are computed transposed (keys x query rows):
-// S^T = K Q^T, dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q, with P^T and dS^T repacked in
-// registers as A fragments. dK and dV hold 2 D / 8 x 4 accumulators per lane already; QT sets
-// what the scores add on top, and so how far ahead the compiler can load operands.
-template <typename T, int D, int MI, int QT>
-__global__ void __launch_bounds__(CHUNK / MI / WARP_ROWS * 32) dkdv_kernel(Params p) {
-  constexpr int WM = MI * WARP_ROWS, NT = CHUNK / WM * 32, LD = D + PAD, NJ = QT / 8;
+// Grid (NB * block / CHUNK, G); CTA of CHUNK / 16 warps, each owning 16 keys of the chunk, over
+// query tiles of QT rows. Scores are computed transposed (keys x query rows): S^T = K Q^T,
+// dP^T = V dO^T, then dV += P^T dO and dK += dS^T Q, with P^T and dS^T repacked in registers as
+// A fragments. dK and dV hold 2 D / 8 x 4 accumulators per lane already; QT sets what the scores
+// add on top, and so how far ahead the compiler can load operands. A second 16-key slice per
+// warp (MI = 2) spilled even at head dim 64 (ptxas, 64-row query tiles).
+template <typename T, int D, int QT>
+__global__ void __launch_bounds__(CHUNK / WARP_ROWS * 32) dkdv_kernel(Params p) {
+  constexpr int MI = 1, WM = MI * WARP_ROWS, NT = CHUNK / WM * 32, LD = D + PAD, NJ = QT / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   T* Ks = reinterpret_cast<T*>(smem);
   T* Vs = Ks + CHUNK * LD;
