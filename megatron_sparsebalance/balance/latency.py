@@ -343,6 +343,14 @@ def device_name() -> str:
     return "cpu"
 
 
+# The module that launches each attention implementation.
+_KERNEL_MODULES = {
+    "torch": "megatron_sparsebalance.ops.naive",
+    "triton": "megatron_sparsebalance.ops.triton_attention",
+    "cuda": "megatron_sparsebalance.ops.cuda_attention",
+}
+
+
 def kernel_sources(impl: str) -> list[str]:
     """The files whose text defines an attention implementation: its Python module, and for
     ``cuda`` the CUDA sources next to the package when it runs from a checkout (they are compiled
@@ -350,11 +358,7 @@ def kernel_sources(impl: str) -> list[str]:
     import importlib.util
     import os
 
-    module = {
-        "torch": "megatron_sparsebalance.ops.naive",
-        "triton": "megatron_sparsebalance.ops.triton_attention",
-        "cuda": "megatron_sparsebalance.ops.cuda_attention",
-    }.get(impl)
+    module = _KERNEL_MODULES.get(impl)
     if module is None:
         return []
     spec = importlib.util.find_spec(module)
@@ -376,7 +380,7 @@ def kernel_version_of(impl: str) -> str:
 
     paths = kernel_sources(impl)
     if not paths:
-        return "unknown" if impl not in ("torch", "triton", "cuda") else "unavailable"
+        return "unavailable" if impl in _KERNEL_MODULES else "unknown"
     sources = []
     for path in paths:
         with open(path, "rb") as f:
