@@ -13,9 +13,9 @@
 //   (query tile, group) walking kv_idx. Each output element is written by one CTA: no atomics,
 //   so the backward is deterministic.
 //
-// Each warp of a CTA owns MI slices of 16 rows of every tile (query rows in the forward and dQ,
-// keys in dK/dV; MI per kernel and head dim in attention.cu's Tiles). Why registers: the
-// scores of a 16-row slice come out of mma.sync in the accumulator layout,
+// Each warp of a CTA owns slices of 16 rows of every tile: MI slices of query rows in the
+// forward and dQ (MI per head dim in attention.cu's Tiles), one slice of keys in dK/dV. Why
+// registers: the scores of a 16-row slice come out of mma.sync in the accumulator layout,
 // which is also the layout of the A operand of the next product, so the softmax and P·V (or
 // dS·K, P^T·dO, dS^T·Q) never touch shared memory. Shared memory holds only the operand tiles,
 // filled by cp.async one chunk ahead of the one being multiplied.
