@@ -46,6 +46,8 @@ def _extensions():
     archs = os.environ.get("MSB_CUDA_ARCH", "90a").split(";")
     nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
     nvcc += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    if "90a" in archs:  # the host launches the wgmma kernels only when their machine code exists
+        nvcc.append("-DSPARSEBALANCE_HAS_SM90A")
     return [
         CUDAExtension(
             "megatron_sparsebalance._C",

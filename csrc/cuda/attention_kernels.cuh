@@ -52,8 +52,15 @@ struct Params {
   const int* q_ptr;
   const int* q_idx;
   int NB, KMAX, R, HQ, G, block;
+  uint64_t r_magic;  // ceil(2^32 / R): div_r's multiplier
   float scale, scale_log2;
 };
+
+// x / R for 0 <= x < 2^32 / R (rows of a block are < 2^16): one wide multiply instead of the
+// ~20 instructions of an integer division by a value known only at run time.
+__device__ __forceinline__ int div_r(int x, const Params& p) {
+  return static_cast<int>(((uint64_t)(uint32_t)x * p.r_magic) >> 32);
+}
 
 constexpr int WARP_ROWS = 16;  // rows of one mma.sync tile; each warp owns one such slice
 constexpr int CHUNK = 64;      // keys of a K/V chunk
@@ -259,27 +266,40 @@ __device__ __forceinline__ float quad_max(float x) {
 
 // ---- Tile loads (cp.async, issued by the whole CTA) -----------------------------------------
 
+// Where value (r, c) of a tile sits: row-major rows padded by PAD values (the mma.sync kernels'
+// layout; wgmma.cuh has the swizzled one the Hopper kernels use).
+template <int D>
+struct PaddedRows {
+  __device__ static int offset(int r, int c) { return r * (D + PAD) + c; }
+};
+
 // Packed query rows [row0, row0 + ROWS) of the block starting at token q0 (rows >= nrows: zeros).
-template <typename T, int D, int ROWS, int NT>
-__device__ __forceinline__ void load_q_rows(T* dst, const T* src, int q0, int row0, int nrows, int R, int g, int HQ) {
+// Every tile is a whole number of 16-byte vectors per thread, so the loop unrolls fully.
+template <typename T, int D, int ROWS, int NT, typename Layout = PaddedRows<D>>
+__device__ __forceinline__ void load_q_rows(T* dst, const T* src, int q0, int row0, int nrows, const Params& p,
+                                            int g) {
   constexpr int VECS = D / 8;  // 16-byte vectors per row
-  for (int i = threadIdx.x; i < ROWS * VECS; i += NT) {
-    const int r = i / VECS, c = (i % VECS) * 8, gr = row0 + r;
+  static_assert(ROWS * VECS % NT == 0, "each thread loads the same number of vectors");
+#pragma unroll
+  for (int j = 0; j < ROWS * VECS / NT; ++j) {
+    const int i = threadIdx.x + j * NT, r = i / VECS, c = (i % VECS) * 8, gr = row0 + r, tok = div_r(gr, p);
     const bool valid = gr < nrows;
-    const T* s = valid ? src + ((int64_t)(q0 + gr / R) * HQ + g * R + gr % R) * D + c : src;
-    cp_async16(dst + r * (D + PAD) + c, s, valid);
+    const T* s = valid ? src + ((int64_t)(q0 + tok) * p.HQ + g * p.R + gr - tok * p.R) * D + c : src;
+    cp_async16(dst + Layout::offset(r, c), s, valid);
   }
 }
 
-// Keys [k0, k0 + CHUNK) of group g (rows >= nvalid: zeros, so a masked P times V stays 0).
-template <typename T, int D, int NT>
+// Keys [k0, k0 + ROWS) of group g (rows >= nvalid: zeros, so a masked P times V stays 0).
+template <typename T, int D, int NT, int ROWS = CHUNK, typename Layout = PaddedRows<D>>
 __device__ __forceinline__ void load_kv_rows(T* dst, const T* src, int k0, int nvalid, int g, int G) {
   constexpr int VECS = D / 8;
-  for (int i = threadIdx.x; i < CHUNK * VECS; i += NT) {
-    const int r = i / VECS, c = (i % VECS) * 8;
+  static_assert(ROWS * VECS % NT == 0, "each thread loads the same number of vectors");
+#pragma unroll
+  for (int j = 0; j < ROWS * VECS / NT; ++j) {
+    const int i = threadIdx.x + j * NT, r = i / VECS, c = (i % VECS) * 8;
     const bool valid = r < nvalid;
     const T* s = valid ? src + ((int64_t)(k0 + r) * G + g) * D + c : src;
-    cp_async16(dst + r * (D + PAD) + c, s, valid);
+    cp_async16(dst + Layout::offset(r, c), s, valid);
   }
 }
 
@@ -288,26 +308,27 @@ struct Chunk {
 };
 
 // The K/V chunks one query tile visits: first the selected off-diagonal blocks, each as
-// block/CHUNK chunks, then the diagonal block's chunks up to the tile's last token.
+// block / CH chunks of CH keys, then the diagonal block's chunks up to the tile's last token.
+template <int CH = CHUNK>
 struct KvWalk {
   const int* idx;  // kv_idx row of (group, query block)
-  int nsub, n_off, n_total, q0, qlen;
+  int sub_shift, n_off, n_total, q0, qlen;  // a block is 1 << sub_shift chunks
 
   __device__ KvWalk(const Params& p, int g, int qb, int q0_, int qlen_, int tok_hi) : q0(q0_), qlen(qlen_) {
     const int cnt = p.kv_cnt[g * p.NB + qb];
     idx = p.kv_idx + ((int64_t)g * p.NB + qb) * p.KMAX;
-    nsub = p.block / CHUNK;
-    n_off = (cnt - 1) * nsub;
-    n_total = n_off + tok_hi / CHUNK + 1;
+    sub_shift = __ffs(p.block / CH) - 1;
+    n_off = (cnt - 1) << sub_shift;
+    n_total = n_off + tok_hi / CH + 1;
   }
   // Chunk `it`: first key token, valid keys, offset inside its block (the diagonal's mask needs it).
   __device__ Chunk chunk(const Params& p, int it) const {
     if (it < n_off) {
-      const int kt0 = (it % nsub) * CHUNK;
-      return {p.bstart[idx[it / nsub]] + kt0, CHUNK, kt0};
+      const int kt0 = (it & ((1 << sub_shift) - 1)) * CH;
+      return {p.bstart[idx[it >> sub_shift]] + kt0, CH, kt0};
     }
-    const int kt0 = (it - n_off) * CHUNK;
-    return {q0 + kt0, min(CHUNK, qlen - kt0), kt0};
+    const int kt0 = (it - n_off) * CH;
+    return {q0 + kt0, min(CH, qlen - kt0), kt0};
   }
 };
 
@@ -331,9 +352,9 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
-  const KvWalk walk(p, g, qb, q0, qlen, (min(row0 + BM, nrows) - 1) / p.R);
+  const KvWalk<> walk(p, g, qb, q0, qlen, (min(row0 + BM, nrows) - 1) / p.R);
 
-  load_q_rows<T, D, BM, NT>(Qs, static_cast<const T*>(p.q), q0, row0, nrows, p.R, g, p.HQ);
+  load_q_rows<T, D, BM, NT>(Qs, static_cast<const T*>(p.q), q0, row0, nrows, p, g);
   Chunk cur = walk.chunk(p, 0);
   load_kv_rows<T, D, NT>(Ks, K, cur.k0, cur.nvalid, g, p.G);
   load_kv_rows<T, D, NT>(Vs, V, cur.k0, cur.nvalid, g, p.G);
@@ -463,10 +484,10 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
-  const KvWalk walk(p, g, qb, q0, qlen, (min(row0 + BM, nrows) - 1) / p.R);
+  const KvWalk<> walk(p, g, qb, q0, qlen, (min(row0 + BM, nrows) - 1) / p.R);
 
-  load_q_rows<T, D, BM, NT>(Qs, static_cast<const T*>(p.q), q0, row0, nrows, p.R, g, p.HQ);
-  load_q_rows<T, D, BM, NT>(dOs, static_cast<const T*>(p.dout), q0, row0, nrows, p.R, g, p.HQ);
+  load_q_rows<T, D, BM, NT>(Qs, static_cast<const T*>(p.q), q0, row0, nrows, p, g);
+  load_q_rows<T, D, BM, NT>(dOs, static_cast<const T*>(p.dout), q0, row0, nrows, p, g);
   Chunk cur = walk.chunk(p, 0);
   load_kv_rows<T, D, NT>(Ks, K, cur.k0, cur.nvalid, g, p.G);
   load_kv_rows<T, D, NT>(Vs, V, cur.k0, cur.nvalid, g, p.G);
@@ -609,8 +630,8 @@ __global__ void __launch_bounds__(CHUNK / WARP_ROWS * 32) dkdv_kernel(Params p) 
   // zero Q, dO, lse and delta: their P is then 1, but it multiplies dO = 0 in dV, and their
   // dS = P (dP - delta) is 0 since dP = V dO^T = 0, so they add nothing.
   auto load_tile = [&](const QueryWalk<QT>& w, int buf) {
-    load_q_rows<T, D, QT, NT>(Qs + buf * QT * LD, Q, w.q0, w.r0, w.qrows, p.R, g, p.HQ);
-    load_q_rows<T, D, QT, NT>(dOs + buf * QT * LD, dO, w.q0, w.r0, w.qrows, p.R, g, p.HQ);
+    load_q_rows<T, D, QT, NT>(Qs + buf * QT * LD, Q, w.q0, w.r0, w.qrows, p, g);
+    load_q_rows<T, D, QT, NT>(dOs + buf * QT * LD, dO, w.q0, w.r0, w.qrows, p, g);
     for (int i = threadIdx.x; i < 2 * QT; i += NT) {
       const int r = i % QT, gr = w.r0 + r;
       const bool valid = gr < w.qrows;
