@@ -1,7 +1,9 @@
 // Device code of the CUDA block-sparse causal attention (DESIGN.md §2): forward, dQ and dK/dV,
 // on the tensor cores through raw mma.sync.m16n8k16 with every score kept in registers.
 // Host glue (checks, launches, bindings) lives in attention.cu; this header needs only CUDA, so
-// its kernels compile and can be inspected (ptxas -v) without torch.
+// its kernels compile and can be inspected (ptxas -v) without torch. On Hopper, builds with sm_90a
+// run the wgmma kernels of attention_kernels_sm90.cuh instead, except dK/dV at block 64; the
+// helpers below (tile loads, walks, register repacking) serve both.
 //
 // Same structure as the Triton kernels (megatron_sparsebalance/ops/triton_attention.py):
 // * Rows of a query tile are (token, head) pairs of ONE KV-head group, token-major

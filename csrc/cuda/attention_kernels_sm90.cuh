@@ -15,8 +15,8 @@
 // warpgroup waits for its products at the end of a step.
 //
 // The forward and dQ run for every block size; dK/dV where a block holds whole chunks of its
-// KV_ROWS keys (block 128 and 256). The host dispatch (attention.cu) keeps the mma.sync kernels
-// for the rest and for other GPUs.
+// KV_ROWS keys (block 128 and 256), warp-specialised at head dim 64 (dkdv_ws_kernel). The host
+// dispatch (attention.cu) keeps the mma.sync kernels for the rest and for other GPUs.
 #pragma once
 
 #include "cuda/attention_kernels.cuh"
@@ -35,9 +35,9 @@ struct Swizzled128 {
 };
 
 // ---- dK/dV ----------------------------------------------------------------------------------------
-// Linear grid of NB * block / KV_ROWS * G CTAs; CTA of two warpgroups, each owning 64 of the chunk's KV_ROWS
-// keys (M of every product), over query tiles of QT rows (N of the score products, K of the
-// gradient products). Per tile, in each warpgroup:
+// Linear grid of NB * block / KV_ROWS * G CTAs; CTA of two warpgroups, each owning 64 of the
+// chunk's KV_ROWS keys (M of every product), over query tiles of QT rows (N of the score
+// products, K of the gradient products). Per tile, in each warpgroup:
 //   S^T = K Q^T and dP^T = V dO^T   (shared x shared, two commit groups)
 //   P = exp2(S^T - lse), once S^T is done, while dP^T still runs
 //   dS^T = P (dP^T - delta)
@@ -54,14 +54,104 @@ struct DkdvTiles {
   }
 };
 
+// Query tile of the walk's position, by cp.async from the NT threads that call it: Q and dO rows
+// into swizzled tiles, lse and delta beside them. Rows past the block get zero Q, dO, lse and
+// delta, which add nothing (see the mma.sync dkdv_kernel).
+template <typename T, int D, int QT, int NT>
+__device__ __forceinline__ void load_query_tile(T* q_dst, T* do_dst, float* lse_dst, float* dl_dst,
+                                                const QueryWalk<QT>& w, int g, const Params& p) {
+  load_q_rows<T, D, QT, NT, Swizzled128<QT>>(q_dst, static_cast<const T*>(p.q), w.q0, w.r0, w.qrows, p, g);
+  load_q_rows<T, D, QT, NT, Swizzled128<QT>>(do_dst, static_cast<const T*>(p.dout), w.q0, w.r0, w.qrows, p, g);
+  for (int i = threadIdx.x; i < 2 * QT; i += NT) {
+    const int r = i % QT, gr = w.r0 + r, tok = div_r(gr, p);
+    const bool valid = gr < w.qrows;
+    const int64_t off = valid ? (int64_t)(w.q0 + tok) * p.HQ + g * p.R + gr - tok * p.R : 0;
+    if (i < QT)
+      cp_async4(lse_dst + r, p.lse + off, valid);
+    else
+      cp_async4(dl_dst + r, p.delta + off, valid);
+  }
+}
+
+// One query tile of a warpgroup's 64 keys, for both dK/dV kernels: the four products and the
+// scores between them (the sequence in the comment above). dK's products are left in flight.
+template <typename T, int D, int KV_ROWS, int QT>
+__device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[1][D / 8][4], uint64_t k_desc,
+                                          uint64_t v_desc, const T* Qc, const T* dOc, const float* lse_c,
+                                          const float* dl_c, bool diag, int r0, int wg, int key_tok, int lane,
+                                          const Params& p) {
+  constexpr int NJ = QT / 8;
+  const uint64_t q_k = kmajor_tile<QT>(Qc), do_k = kmajor_tile<QT>(dOc);
+  const uint64_t q_mn = mnmajor_tile<T, QT>(Qc), do_mn = mnmajor_tile<T, QT>(dOc);
+  float st[1][NJ][4], dpt[1][NJ][4];
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < D; k += 16)
+    wgmma_ss<T, QT>(st[0], kmajor_at<T, KV_ROWS>(k_desc, wg * WG_ROWS, k), kmajor_at<T, QT>(q_k, 0, k), k > 0);
+  wgmma_commit();
+#pragma unroll
+  for (int k = 0; k < D; k += 16)
+    wgmma_ss<T, QT>(dpt[0], kmajor_at<T, KV_ROWS>(v_desc, wg * WG_ROWS, k), kmajor_at<T, QT>(do_k, 0, k), k > 0);
+  wgmma_commit();
+  wgmma_wait<1>();  // S^T done; dP^T may still run
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = 8 * j + 2 * (lane % 4) + (e & 1);
+      float x = st[0][j][e] * p.scale_log2;
+      if (diag && key_tok + 8 * (e / 2) > div_r(r0 + col, p)) x = -INFINITY;
+      st[0][j][e] = exp2f(x - lse_c[col]);
+    }
+  uint32_t pa[1][QT / 16][4];
+  to_a_frags<T, 1, QT>(pa, st);
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < QT / 16; ++s) wgmma_rs_tb<T, D>(dv[0], pa[0][s], mnmajor_at<T>(do_mn, 16 * s), true);
+  wgmma_commit();
+  wgmma_wait<1>();  // dP^T done; dV's products run on while dS is computed
+  uint32_t da[1][QT / 16][4];
+#pragma unroll
+  for (int s = 0; s < QT / 16; ++s)
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {  // dS = P (dP - delta), straight into A fragments (to_a_frags' order)
+      const int j = 2 * s + h / 2, e0 = 2 * (h % 2), col = 8 * j + 2 * (lane % 4);
+      da[0][s][h] = pack2<T>(st[0][j][e0] * (dpt[0][j][e0] - dl_c[col]),
+                             st[0][j][e0 + 1] * (dpt[0][j][e0 + 1] - dl_c[col + 1]));
+    }
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < QT / 16; ++s) wgmma_rs_tb<T, D>(dk[0], da[0][s], mnmajor_at<T>(q_mn, 16 * s), true);
+  wgmma_commit();
+}
+
+// dK (times the softmax scale) and dV of this lane's two keys, rows key0 and key0 + 8 of the
+// chunk starting at token tok0 (keys >= nvalid are past the block: not written).
+template <typename T, int D>
+__device__ __forceinline__ void store_dkdv(const float (&dk)[1][D / 8][4], const float (&dv)[1][D / 8][4], int key0,
+                                           int nvalid, int tok0, int g, int lane, const Params& p) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = key0 + 8 * h;
+    if (key >= nvalid) continue;
+    const int64_t off = ((int64_t)(tok0 + key) * p.G + g) * D + 2 * (lane % 4);
+    uint32_t* dk_out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dk) + off);
+    uint32_t* dv_out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dv) + off);
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      dk_out[4 * j] = pack2<T>(dk[0][j][2 * h] * p.scale, dk[0][j][2 * h + 1] * p.scale);
+      dv_out[4 * j] = pack2<T>(dv[0][j][2 * h], dv[0][j][2 * h + 1]);
+    }
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tiles = DkdvTiles<T, D>;
   constexpr int KV_ROWS = Tiles::KV_ROWS, QT = Tiles::QT, STAGES = Tiles::STAGES, AHEAD = Tiles::AHEAD;
-  constexpr int NT = Tiles::THREADS, NJ = QT / 8;
+  constexpr int NT = Tiles::THREADS;
   using KvLayout = Swizzled128<KV_ROWS>;
-  using QLayout = Swizzled128<QT>;
   extern __shared__ unsigned char smem_raw[];
   // Swizzled tiles start on a 1024-byte boundary (smem_bytes reserves the slack).
   T* Ks = reinterpret_cast<T*>(smem_raw + ((SW_ALIGN - smem_u32(smem_raw) % SW_ALIGN) % SW_ALIGN));
@@ -80,24 +170,8 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Param
   if (n0 >= blen) return;
   const int nvalid = min(KV_ROWS, blen - n0);
   const int wg = threadIdx.x / WG_THREADS, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
-  const T* Q = static_cast<const T*>(p.q);
-  const T* dO = static_cast<const T*>(p.dout);
-
-  // Query tile of the walk's position into buffer `buf`; rows past the block get zero Q, dO, lse
-  // and delta, which add nothing (see the mma.sync dkdv_kernel).
   auto load_tile = [&](const QueryWalk<QT>& w, int buf) {
-    load_q_rows<T, D, QT, NT, QLayout>(Qs + buf * QT * D, Q, w.q0, w.r0, w.qrows, p, g);
-    load_q_rows<T, D, QT, NT, QLayout>(dOs + buf * QT * D, dO, w.q0, w.r0, w.qrows, p, g);
-    for (int i = threadIdx.x; i < 2 * QT; i += NT) {
-      const int r = i % QT, gr = w.r0 + r;
-      const bool valid = gr < w.qrows;
-      const int tok = div_r(gr, p);
-      const int64_t off = valid ? (int64_t)(w.q0 + tok) * p.HQ + g * p.R + gr - tok * p.R : 0;
-      if (i < QT)
-        cp_async4(lse_s + buf * QT + r, p.lse + off, valid);
-      else
-        cp_async4(dl_s + buf * QT + r, p.delta + off, valid);
-    }
+    load_query_tile<T, D, QT, NT>(Qs + buf * QT * D, dOs + buf * QT * D, lse_s + buf * QT, dl_s + buf * QT, w, g, p);
   };
 
   // K and V travel with the first query tile; every step then commits exactly one group (maybe
@@ -132,55 +206,8 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Param
       ahead.next(p);
     }
     cp_async_commit();
-    const bool diag = walk.diag();
-    const int r0 = walk.r0;
-    const T* Qc = Qs + buf * QT * D;
-    const T* dOc = dOs + buf * QT * D;
-    const uint64_t q_k = kmajor_tile<QT>(Qc), do_k = kmajor_tile<QT>(dOc);
-    const uint64_t q_mn = mnmajor_tile<T, QT>(Qc), do_mn = mnmajor_tile<T, QT>(dOc);
-    const float* lse_c = lse_s + buf * QT;
-    const float* dl_c = dl_s + buf * QT;
-
-    float st[1][NJ][4], dpt[1][NJ][4];
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < D; k += 16)
-      wgmma_ss<T, QT>(st[0], kmajor_at<T, KV_ROWS>(k_desc, wg * WG_ROWS, k), kmajor_at<T, QT>(q_k, 0, k), k > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int k = 0; k < D; k += 16)
-      wgmma_ss<T, QT>(dpt[0], kmajor_at<T, KV_ROWS>(v_desc, wg * WG_ROWS, k), kmajor_at<T, QT>(do_k, 0, k), k > 0);
-    wgmma_commit();
-    wgmma_wait<1>();  // S^T done; dP^T may still run
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = 8 * j + 2 * (lane % 4) + (e & 1);
-        float x = st[0][j][e] * p.scale_log2;
-        if (diag && key_tok + 8 * (e / 2) > div_r(r0 + col, p)) x = -INFINITY;
-        st[0][j][e] = exp2f(x - lse_c[col]);
-      }
-    uint32_t pa[1][QT / 16][4];
-    to_a_frags<T, 1, QT>(pa, st);
-    wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < QT / 16; ++s) wgmma_rs_tb<T, D>(dv[0], pa[0][s], mnmajor_at<T>(do_mn, 16 * s), true);
-    wgmma_commit();
-    wgmma_wait<1>();  // dP^T done; dV's products run on while dS is computed
-    uint32_t da[1][QT / 16][4];
-#pragma unroll
-    for (int s = 0; s < QT / 16; ++s)
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {  // dS = P (dP - delta), straight into A fragments (to_a_frags' order)
-        const int j = 2 * s + h / 2, e0 = 2 * (h % 2), col = 8 * j + 2 * (lane % 4);
-        da[0][s][h] = pack2<T>(st[0][j][e0] * (dpt[0][j][e0] - dl_c[col]),
-                               st[0][j][e0 + 1] * (dpt[0][j][e0 + 1] - dl_c[col + 1]));
-      }
-    wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < QT / 16; ++s) wgmma_rs_tb<T, D>(dk[0], da[0][s], mnmajor_at<T>(q_mn, 16 * s), true);
-    wgmma_commit();
+    dkdv_tile<T, D, KV_ROWS, QT>(dk, dv, k_desc, v_desc, Qs + buf * QT * D, dOs + buf * QT * D, lse_s + buf * QT,
+                                 dl_s + buf * QT, walk.diag(), walk.r0, wg, key_tok, lane, p);
     walk.next(p);
     // Waiting here rather than in the next tile: ptxas serialises every wgmma of the loop when
     // accumulators are in flight across its back edge (warning C7515). The other warpgroup keeps
@@ -188,22 +215,105 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Param
     wgmma_wait<0>();
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // no copy outlives the CTA
-
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = key_tok + 8 * h - n0;
-    if (key >= nvalid) continue;
-    const int64_t off = ((int64_t)(b0 + n0 + key) * p.G + g) * D + 2 * (lane % 4);
-    uint32_t* dk_out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dk) + off);
-    uint32_t* dv_out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dv) + off);
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      dk_out[4 * j] = pack2<T>(dk[0][j][2 * h] * p.scale, dk[0][j][2 * h + 1] * p.scale);
-      dv_out[4 * j] = pack2<T>(dv[0][j][2 * h], dv[0][j][2 * h + 1]);
-    }
-  }
+  store_dkdv<T, D>(dk, dv, key_tok - n0, nvalid, b0 + n0, g, lane, p);
 #else
   __trap();  // built without sm_90a: attention.cu launches the mma.sync kernels instead
+#endif
+}
+
+// ---- dK/dV, warp-specialised ---------------------------------------------------------------------
+// The dK/dV kernel above with its loads moved to a third warpgroup: the producer issues every
+// cp.async (K/V once, then the query tiles STAGES deep) and signals each buffer on a "full"
+// mbarrier; the two consumer warpgroups only multiply, and hand each buffer back on an "empty"
+// mbarrier. No CTA-wide barrier is left in the loop, so the consumers drift apart and one's
+// softmax runs while the other's products do. setmaxnreg moves registers from the producer
+// (which needs few) to the consumers (which hold dK and dV).
+template <typename T, int D>
+struct DkdvWsTiles {
+  static constexpr int KV_ROWS = 2 * WG_ROWS, QT = 64, STAGES = 4;
+  // setmaxnreg moves registers within what the CTA was launched with (168 per thread at 384
+  // threads): 128 x 40 + 256 x 232 = 128 x 168 x 3. Asking for more hangs the consumers.
+  static constexpr int THREADS = 3 * WG_THREADS, PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+  static_assert(WG_THREADS * PRODUCER_REGS + 2 * WG_THREADS * CONSUMER_REGS <= THREADS * 168, "register pool");
+  static constexpr size_t smem_bytes() {
+    return SW_ALIGN + sizeof(T) * (2 * KV_ROWS + 2 * STAGES * QT) * D + sizeof(float) * 2 * STAGES * QT +
+           sizeof(uint64_t) * (2 * STAGES + 1);
+  }
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(DkdvWsTiles<T, D>::THREADS, 1) dkdv_ws_kernel(Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Tiles = DkdvWsTiles<T, D>;
+  constexpr int KV_ROWS = Tiles::KV_ROWS, QT = Tiles::QT, STAGES = Tiles::STAGES;
+  extern __shared__ unsigned char smem_raw[];
+  T* Ks = reinterpret_cast<T*>(smem_raw + ((SW_ALIGN - smem_u32(smem_raw) % SW_ALIGN) % SW_ALIGN));
+  T* Vs = Ks + KV_ROWS * D;
+  T* Qs = Vs + KV_ROWS * D;
+  T* dOs = Qs + STAGES * QT * D;
+  float* lse_s = reinterpret_cast<float*>(dOs + STAGES * QT * D);
+  float* dl_s = lse_s + STAGES * QT;
+  uint64_t* full = reinterpret_cast<uint64_t*>(dl_s + STAGES * QT);
+  uint64_t* empty = full + STAGES;
+  uint64_t* kv_full = empty + STAGES;
+
+  const int nsub = p.block / KV_ROWS, g = blockIdx.x % p.G, chunk = blockIdx.x / p.G;
+  const int kb = chunk / nsub, n0 = (chunk % nsub) * KV_ROWS;
+  const int b0 = p.bstart[kb], blen = p.bend[kb] - b0;
+  if (n0 >= blen) return;
+  const int nvalid = min(KV_ROWS, blen - n0);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + s, WG_THREADS);       // every producer thread's copies
+      mbar_init(empty + s, 2 * WG_THREADS);  // every consumer thread is done with the buffer
+    }
+    mbar_init(kv_full, WG_THREADS);
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < WG_THREADS) {  // producer: threads 0..127 issue the copies
+    regs_dec<Tiles::PRODUCER_REGS>();
+    load_kv_rows<T, D, WG_THREADS, KV_ROWS, Swizzled128<KV_ROWS>>(Ks, static_cast<const T*>(p.k), b0 + n0, nvalid, g,
+                                                                  p.G);
+    load_kv_rows<T, D, WG_THREADS, KV_ROWS, Swizzled128<KV_ROWS>>(Vs, static_cast<const T*>(p.v), b0 + n0, nvalid, g,
+                                                                  p.G);
+    mbar_arrive_cp_async(kv_full);
+    QueryWalk<QT> w(p, g, kb, n0);
+    for (int j = 0; !w.done(); ++j) {
+      const int buf = j % STAGES;
+      if (j >= STAGES) mbar_wait(empty + buf, (j / STAGES - 1) & 1);
+      load_query_tile<T, D, QT, WG_THREADS>(Qs + buf * QT * D, dOs + buf * QT * D, lse_s + buf * QT, dl_s + buf * QT, w,
+                                            g, p);
+      mbar_arrive_cp_async(full + buf);
+      w.next(p);
+    }
+    cp_async_wait_all();
+  } else {  // consumers: the two warpgroups that multiply
+  regs_inc<Tiles::CONSUMER_REGS>();
+  const int wg = threadIdx.x / WG_THREADS - 1, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
+  const uint64_t k_desc = kmajor_tile<KV_ROWS>(Ks), v_desc = kmajor_tile<KV_ROWS>(Vs);
+  const int key_tok = n0 + wg * WG_ROWS + warp * 16 + lane / 4;
+  float dk[1][D / 8][4], dv[1][D / 8][4];
+  zero(dk);
+  zero(dv);
+  mbar_wait(kv_full, 0);
+  QueryWalk<QT> walk(p, g, kb, n0);
+  for (int it = 0; !walk.done(); ++it) {
+    const int buf = it % STAGES;
+    mbar_wait(full + buf, (it / STAGES) & 1);
+    fence_proxy_async();
+    dkdv_tile<T, D, KV_ROWS, QT>(dk, dv, k_desc, v_desc, Qs + buf * QT * D, dOs + buf * QT * D, lse_s + buf * QT,
+                                 dl_s + buf * QT, walk.diag(), walk.r0, wg, key_tok, lane, p);
+    walk.next(p);
+    wgmma_wait<0>();
+    mbar_arrive(empty + buf);
+  }
+
+  store_dkdv<T, D>(dk, dv, key_tok - n0, nvalid, b0 + n0, g, lane, p);
+  }
+#else
+  __trap();
 #endif
 }
 
@@ -246,6 +356,13 @@ struct QueryCta {
     nrows = (p.bend[qb] - q0) * p.R;
   }
   __device__ bool empty() const { return row0 >= nrows; }
+  // Element offset of packed query row gr (token tok = gr / R of the block) in q, o, lse, ...
+  __device__ int64_t row_offset(int gr, int tok, const Params& p) const {
+    return (int64_t)(q0 + tok) * p.HQ + g * p.R + gr - tok * p.R;
+  }
+  // Whether key column col of a diagonal chunk c is hidden from a row of token tok: past the
+  // block's end or after the row's token (every key of an off-diagonal chunk is visible).
+  __device__ static bool masked(const Chunk& c, int col, int tok) { return col >= c.nvalid || c.kt0 + col > tok; }
   __device__ KvWalk<CH> walk(const Params& p) const {
     return KvWalk<CH>(p, g, qb, q0, nrows / p.R, (min(row0 + BM, nrows) - 1) / p.R);
   }
@@ -326,7 +443,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
         float x = s[0][j][e] * p.scale_log2;
         if (diag) {
           const int col = 8 * j + 2 * (lane % 4) + (e & 1);
-          if (col >= cur.nvalid || cur.kt0 + col > tok[e / 2]) x = -INFINITY;
+          if (Cta::masked(cur, col, tok[e / 2])) x = -INFINITY;
         }
         s[0][j][e] = x;
         mx[e / 2] = fmaxf(mx[e / 2], x);
@@ -367,7 +484,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
     const float lsum = quad_sum(l[h]);
     if (gr >= cta.nrows) continue;
     const float inv = 1.f / lsum;
-    const int64_t off = (int64_t)(cta.q0 + tok[h]) * p.HQ + cta.g * p.R + gr - tok[h] * p.R;
+    const int64_t off = cta.row_offset(gr, tok[h], p);
     uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + off * D + 2 * (lane % 4));
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) out[4 * j] = pack2<T>(o[0][j][2 * h] * inv, o[0][j][2 * h + 1] * inv);
@@ -403,7 +520,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
     lse[h] = INFINITY;  // rows past the block: P = 0
     dl[h] = 0.f;
     if (gr < cta.nrows) {
-      const int64_t off = (int64_t)(cta.q0 + tok[h]) * p.HQ + cta.g * p.R + gr - tok[h] * p.R;
+      const int64_t off = cta.row_offset(gr, tok[h], p);
       lse[h] = p.lse[off];
       dl[h] = p.delta[off];
     }
@@ -436,7 +553,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
         float x = s[0][j][e] * p.scale_log2;
         if (diag) {
           const int col = 8 * j + 2 * (lane % 4) + (e & 1);
-          if (col >= cur.nvalid || cur.kt0 + col > tok[e / 2]) x = -INFINITY;
+          if (Cta::masked(cur, col, tok[e / 2])) x = -INFINITY;
         }
         s[0][j][e] = exp2f(x - lse[e / 2]);
       }
@@ -462,7 +579,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
   for (int h = 0; h < 2; ++h) {
     const int gr = wrow + 8 * h;
     if (gr >= cta.nrows) continue;
-    const int64_t off = (int64_t)(cta.q0 + tok[h]) * p.HQ + cta.g * p.R + gr - tok[h] * p.R;
+    const int64_t off = cta.row_offset(gr, tok[h], p);
     uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + off * D + 2 * (lane % 4));
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) out[4 * j] = pack2<T>(dq[0][j][2 * h] * p.scale, dq[0][j][2 * h + 1] * p.scale);

@@ -1,7 +1,8 @@
-// Hopper (sm_90a) warpgroup matrix products for the attention kernels: shared-memory tiles in the
-// 128-byte swizzled layout that wgmma reads, their matrix descriptors, and the wgmma.mma_async
-// shapes the kernels use. Written against the PTX ISA ("Asynchronous Warpgroup Level Matrix
-// Multiply-Accumulate") rather than through CUTLASS/CuTe, which the build does not depend on.
+// Hopper (sm_90a) primitives of the attention kernels: shared-memory tiles in the 128-byte
+// swizzled layout that wgmma reads, their matrix descriptors, the wgmma.mma_async shapes the
+// kernels use, and the mbarrier / setmaxnreg pieces of a warp-specialised kernel. Written against
+// the PTX ISA ("Asynchronous Warpgroup Level Matrix Multiply-Accumulate", "mbarrier") because
+// the build depends on no CUTLASS/CuTe, which is where such wrappers usually come from.
 //
 // A warpgroup is 4 consecutive warps (128 threads) starting at a warp index divisible by 4. An
 // m64nN product leaves its accumulators in the layout of mma.sync's m16n8 tiles stacked by warp:
@@ -86,6 +87,42 @@ __device__ __forceinline__ void wgmma_wait() {
 // Shared memory written through the generic proxy (cp.async, plain stores) and read next by
 // wgmma (the async proxy) needs this in each writing thread before the barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// ---- Shared-memory barriers (mbarrier) between producer and consumer warps --------------------
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
+               "r"(count)
+               : "memory");
+}
+// Makes the barrier's initialisation visible before any thread uses it (then a __syncthreads).
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+               : "memory");
+}
+// Arrives when every cp.async this thread issued so far has landed; `noinc`: the arrival is one
+// of the count the barrier was initialised with.
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+               : "memory");
+}
+// Blocks until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
+      "r"(parity)
+      : "memory");
+}
+// Moves registers from the warpgroup that loads to the ones that multiply (sm_90a).
+template <int N>
+__device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
 // ---- Products ------------------------------------------------------------------------------------
 // Operand lists of the accumulators (written out because inline asm takes no arrays).
