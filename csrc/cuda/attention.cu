@@ -113,20 +113,29 @@ Params make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k
 // against 64 was 1.07-1.16x faster at 0.5B and equal at 3B (S = 32K/64K, one H200).
 constexpr int SM90_CHUNK = 128;
 
-// Grid of the wgmma forward and dQ: one CTA per (query tile, group), linear (see QueryCta).
-template <typename T, int D, int QUERY_TILES, int CH, typename Kernel>
-void run_query_sm90(Kernel kernel, const Params& p, cudaStream_t s) {
-  using Tiles = kernels::sm90::QueryTiles<T, D, QUERY_TILES, CH>;
-  launch(kernel, dim3(query_tiles(p, Tiles::BM) * p.G), Tiles::THREADS, Tiles::smem_bytes(), s, p);
+// Launches the wgmma forward or dQ (QUERY_TILES 1 or 2) if this GPU and block size take them:
+// chunks of SM90_CHUNK keys where the block holds whole ones, else of CHUNK. One CTA per (query
+// tile, group), linear grid (see QueryCta). Returns whether it launched.
+template <typename T, int D, int QUERY_TILES, typename KernelLarge, typename KernelSmall>
+bool run_query_sm90(KernelLarge large, KernelSmall small, const Params& p, cudaStream_t s) {
+  using namespace kernels;
+  if (!use_sm90(p.block, CHUNK)) return false;
+  const bool whole = p.block % SM90_CHUNK == 0;
+  using Large = sm90::QueryTiles<T, D, QUERY_TILES, SM90_CHUNK>;
+  using Small = sm90::QueryTiles<T, D, QUERY_TILES, CHUNK>;
+  static_assert(Large::BM == Small::BM && Large::THREADS == Small::THREADS, "same CTA either way");
+  const dim3 grid(query_tiles(p, Large::BM) * p.G);
+  if (whole)
+    launch(large, grid, Large::THREADS, Large::smem_bytes(), s, p);
+  else
+    launch(small, grid, Small::THREADS, Small::smem_bytes(), s, p);
+  return true;
 }
 
 template <typename T, int D>
 void run_fwd(const Params& p, cudaStream_t s) {
   using namespace kernels;
-  if (use_sm90(p.block, CHUNK)) {
-    if (p.block % SM90_CHUNK == 0) return run_query_sm90<T, D, 1, SM90_CHUNK>(sm90::fwd_kernel<T, D, SM90_CHUNK>, p, s);
-    return run_query_sm90<T, D, 1, CHUNK>(sm90::fwd_kernel<T, D, CHUNK>, p, s);
-  }
+  if (run_query_sm90<T, D, 1>(sm90::fwd_kernel<T, D, SM90_CHUNK>, sm90::fwd_kernel<T, D, CHUNK>, p, s)) return;
   constexpr int MI = Tiles<D>::FWD_MI, BM = QUERY_WARPS * MI * WARP_ROWS;
   launch(fwd_kernel<T, D, QUERY_WARPS, MI>, dim3(query_tiles(p, BM), p.G), QUERY_WARPS * 32, fwd_smem<T, D, BM>(), s,
          p);
@@ -161,10 +170,7 @@ void run_dkdv(const Params& p, int64_t nrows, cudaStream_t s) {
 template <typename T, int D>
 void run_dq(const Params& p, cudaStream_t s) {
   using namespace kernels;
-  if (use_sm90(p.block, CHUNK)) {
-    if (p.block % SM90_CHUNK == 0) return run_query_sm90<T, D, 2, SM90_CHUNK>(sm90::dq_kernel<T, D, SM90_CHUNK>, p, s);
-    return run_query_sm90<T, D, 2, CHUNK>(sm90::dq_kernel<T, D, CHUNK>, p, s);
-  }
+  if (run_query_sm90<T, D, 2>(sm90::dq_kernel<T, D, SM90_CHUNK>, sm90::dq_kernel<T, D, CHUNK>, p, s)) return;
   constexpr int MI = Tiles<D>::DQ_MI, BM = QUERY_WARPS * MI * WARP_ROWS;
   launch(dq_kernel<T, D, QUERY_WARPS, MI>, dim3(query_tiles(p, BM), p.G), QUERY_WARPS * 32, dq_smem<T, D, BM>(), s,
          p);

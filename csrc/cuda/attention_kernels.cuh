@@ -64,6 +64,12 @@ __device__ __forceinline__ int div_r(int x, const Params& p) {
   return static_cast<int>(((uint64_t)(uint32_t)x * p.r_magic) >> 32);
 }
 
+// Index in a [T, HQ] layout (q, o and dO rows, lse, delta) of packed query row gr of the block
+// that starts at token q0: token q0 + tok, head g R + gr - tok R, where tok = gr / R.
+__device__ __forceinline__ int64_t query_row(int q0, int gr, int tok, int g, const Params& p) {
+  return (int64_t)(q0 + tok) * p.HQ + g * p.R + gr - tok * p.R;
+}
+
 constexpr int WARP_ROWS = 16;  // rows of one mma.sync tile; each warp owns one such slice
 constexpr int CHUNK = 64;      // keys of a K/V chunk
 // 16 bytes of padding per shared-memory row: a row of D 16-bit values is then an odd number of
@@ -286,7 +292,7 @@ __device__ __forceinline__ void load_q_rows(T* dst, const T* src, int q0, int ro
   for (int j = 0; j < ROWS * VECS / NT; ++j) {
     const int i = threadIdx.x + j * NT, r = i / VECS, c = (i % VECS) * 8, gr = row0 + r, tok = div_r(gr, p);
     const bool valid = gr < nrows;
-    const T* s = valid ? src + ((int64_t)(q0 + tok) * p.HQ + g * p.R + gr - tok * p.R) * D + c : src;
+    const T* s = valid ? src + query_row(q0, gr, tok, g, p) * D + c : src;
     cp_async16(dst + Layout::offset(r, c), s, valid);
   }
 }

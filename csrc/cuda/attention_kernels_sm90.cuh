@@ -65,7 +65,7 @@ __device__ __forceinline__ void load_query_tile(T* q_dst, T* do_dst, float* lse_
   for (int i = threadIdx.x; i < 2 * QT; i += NT) {
     const int r = i % QT, gr = w.r0 + r, tok = div_r(gr, p);
     const bool valid = gr < w.qrows;
-    const int64_t off = valid ? (int64_t)(w.q0 + tok) * p.HQ + g * p.R + gr - tok * p.R : 0;
+    const int64_t off = valid ? query_row(w.q0, gr, tok, g, p) : 0;
     if (i < QT)
       cp_async4(lse_dst + r, p.lse + off, valid);
     else
@@ -356,10 +356,9 @@ struct QueryCta {
     nrows = (p.bend[qb] - q0) * p.R;
   }
   __device__ bool empty() const { return row0 >= nrows; }
-  // Element offset of packed query row gr (token tok = gr / R of the block) in q, o, lse, ...
-  __device__ int64_t row_offset(int gr, int tok, const Params& p) const {
-    return (int64_t)(q0 + tok) * p.HQ + g * p.R + gr - tok * p.R;
-  }
+  // Chunk `it`'s K and V tiles in the ring of buffers.
+  __device__ const T* keys(int it) const { return Ks + (it % STAGES) * CH * D; }
+  __device__ const T* values(int it) const { return Vs + (it % STAGES) * CH * D; }
   // Whether key column col of a diagonal chunk c is hidden from a row of token tok: past the
   // block's end or after the row's token (every key of an off-diagonal chunk is visible).
   __device__ static bool masked(const Chunk& c, int col, int tok) { return col >= c.nvalid || c.kt0 + col > tok; }
@@ -399,7 +398,7 @@ template <typename T, int D, int CH>
 __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cta = QueryCta<T, D, 1, CH>;
-  constexpr int BM = Cta::BM, STAGES = Cta::STAGES, NJ = CH / 8;
+  constexpr int BM = Cta::BM, NJ = CH / 8;
   extern __shared__ unsigned char smem_raw[];
   Cta cta(smem_raw, p);
   if (cta.empty()) return;
@@ -424,8 +423,8 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
   for (int it = 0; it < walk.n_total; ++it) {
     cta.next_chunk(walk, it, p);
     const Chunk cur = walk.chunk(p, it);
-    const T* Kc = cta.Ks + (it % STAGES) * CH * D;
-    const T* Vc = cta.Vs + (it % STAGES) * CH * D;
+    const T* Kc = cta.keys(it);
+    const T* Vc = cta.values(it);
     const uint64_t k_desc = kmajor_tile<CH>(Kc), v_mn = mnmajor_tile<T, CH>(Vc);
     float s[1][NJ][4];
     wgmma_fence();
@@ -484,7 +483,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
     const float lsum = quad_sum(l[h]);
     if (gr >= cta.nrows) continue;
     const float inv = 1.f / lsum;
-    const int64_t off = cta.row_offset(gr, tok[h], p);
+    const int64_t off = query_row(cta.q0, gr, tok[h], cta.g, p);
     uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + off * D + 2 * (lane % 4));
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) out[4 * j] = pack2<T>(o[0][j][2 * h] * inv, o[0][j][2 * h + 1] * inv);
@@ -499,7 +498,7 @@ template <typename T, int D, int CH>
 __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cta = QueryCta<T, D, 2, CH>;
-  constexpr int BM = Cta::BM, STAGES = Cta::STAGES, NJ = CH / 8;
+  constexpr int BM = Cta::BM, NJ = CH / 8;
   extern __shared__ unsigned char smem_raw[];
   Cta cta(smem_raw, p);
   if (cta.empty()) return;
@@ -520,7 +519,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
     lse[h] = INFINITY;  // rows past the block: P = 0
     dl[h] = 0.f;
     if (gr < cta.nrows) {
-      const int64_t off = cta.row_offset(gr, tok[h], p);
+      const int64_t off = query_row(cta.q0, gr, tok[h], cta.g, p);
       lse[h] = p.lse[off];
       dl[h] = p.delta[off];
     }
@@ -531,8 +530,8 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
   for (int it = 0; it < walk.n_total; ++it) {
     cta.next_chunk(walk, it, p);
     const Chunk cur = walk.chunk(p, it);
-    const T* Kc = cta.Ks + (it % STAGES) * CH * D;
-    const T* Vc = cta.Vs + (it % STAGES) * CH * D;
+    const T* Kc = cta.keys(it);
+    const T* Vc = cta.values(it);
     const uint64_t k_desc = kmajor_tile<CH>(Kc), v_desc = kmajor_tile<CH>(Vc), k_mn = mnmajor_tile<T, CH>(Kc);
     float s[1][NJ][4], dp[1][NJ][4];
     wgmma_fence();
@@ -579,7 +578,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
   for (int h = 0; h < 2; ++h) {
     const int gr = wrow + 8 * h;
     if (gr >= cta.nrows) continue;
-    const int64_t off = cta.row_offset(gr, tok[h], p);
+    const int64_t off = query_row(cta.q0, gr, tok[h], cta.g, p);
     uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + off * D + 2 * (lane % 4));
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) out[4 * j] = pack2<T>(dq[0][j][2 * h] * p.scale, dq[0][j][2 * h + 1] * p.scale);
