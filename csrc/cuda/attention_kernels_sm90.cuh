@@ -9,10 +9,13 @@
 // on the tensor cores.
 //
 // What set their speed, measured on one H200 (docs/BENCHMARKS.md): the order in which CTAs start
-// (the longest first, see the grids below) and the integer work around the products (no integer
-// division by R, fully unrolled tile loads, descriptors advanced by adds). Products in flight
-// across a loop's back edge make ptxas serialise every wgmma of the loop (warning C7515), so each
-// warpgroup waits for its products at the end of a step.
+// (the longest first, see the grids below) and the instructions around the products, since a
+// CTA of eight warps leaves each scheduler two warps to issue from: no integer division by R,
+// copies whose addresses are set up once per CTA, the causal mask compiled only into the
+// diagonal block's steps, the softmax scale folded into the exponential's multiply-add. Products
+// in flight across a loop's back edge, or waits that ptxas cannot match to their products on
+// every path, make it serialise every wgmma of the loop (warnings C7515, C7514): each
+// warpgroup waits for all of its products within a step.
 //
 // The forward and dQ run for every block size; dK/dV where a block holds whole chunks of its
 // KV_ROWS keys (block 128 and 256), warp-specialised at head dim 64 (dkdv_ws_kernel). The host
@@ -54,31 +57,58 @@ struct DkdvTiles {
   }
 };
 
+// This thread's share of a copy of ROWS rows of D 16-bit values into a swizzled tile by NT
+// threads: the 16-byte vector at column c of rows r + j ROW_STEP, j < N. ROW_STEP is a multiple
+// of the swizzle's 8 rows, so the shared offsets of a thread's vectors differ by constants
+// (smem_off + step(j)): set up once, a vector costs an address add and a copy.
+template <int D, int NT, int ROWS>
+struct CopySlice {
+  static constexpr int VECS = D / 8, ROW_STEP = NT / VECS, N = ROWS / ROW_STEP;
+  static_assert(NT % VECS == 0 && ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0, "whole swizzle patterns per step");
+  int c, r, smem_off;
+  __device__ CopySlice() : c((threadIdx.x % VECS) * 8), r(threadIdx.x / VECS), smem_off(sw128_offset<ROWS>(r, c)) {}
+  __device__ static constexpr int step(int j) { return j * ROW_STEP * SW_COLS; }
+};
+
 // Query tile of the walk's position, by cp.async from the NT threads that call it: Q and dO rows
 // into swizzled tiles, lse and delta beside them. Rows past the block get zero Q, dO, lse and
-// delta, which add nothing (see the mma.sync dkdv_kernel).
+// delta, which add nothing (see the mma.sync dkdv_kernel). A row's index is query_row's,
+// refactored so that only the token (one wide multiply) depends on the row.
 template <typename T, int D, int QT, int NT>
 __device__ __forceinline__ void load_query_tile(T* q_dst, T* do_dst, float* lse_dst, float* dl_dst,
                                                 const QueryWalk<QT>& w, int g, const Params& p) {
-  load_q_rows<T, D, QT, NT, Swizzled128<QT>>(q_dst, static_cast<const T*>(p.q), w.q0, w.r0, w.qrows, p, g);
-  load_q_rows<T, D, QT, NT, Swizzled128<QT>>(do_dst, static_cast<const T*>(p.dout), w.q0, w.r0, w.qrows, p, g);
-  for (int i = threadIdx.x; i < 2 * QT; i += NT) {
-    const int r = i % QT, gr = w.r0 + r, tok = div_r(gr, p);
+  using Slice = CopySlice<D, NT, QT>;
+  const Slice sl;
+  // query_row(q0, gr, tok, g, p) = row0 + gr + tok (HQ - R)
+  const int64_t row0 = (int64_t)w.q0 * p.HQ + g * p.R;
+  const T* q = static_cast<const T*>(p.q) + sl.c;
+  const T* dout = static_cast<const T*>(p.dout) + sl.c;
+#pragma unroll
+  for (int j = 0; j < Slice::N; ++j) {
+    const int gr = w.r0 + sl.r + j * Slice::ROW_STEP;
     const bool valid = gr < w.qrows;
-    const int64_t off = valid ? query_row(w.q0, gr, tok, g, p) : 0;
-    if (i < QT)
-      cp_async4(lse_dst + r, p.lse + off, valid);
+    const int64_t row = valid ? row0 + gr + (int64_t)div_r(gr, p) * (p.HQ - p.R) : 0;
+    cp_async16(q_dst + sl.smem_off + Slice::step(j), q + row * D, valid);
+    cp_async16(do_dst + sl.smem_off + Slice::step(j), dout + row * D, valid);
+  }
+  static_assert(2 * QT <= NT, "one lse or delta value per thread at most");
+  if (threadIdx.x < 2 * QT) {
+    const int i = threadIdx.x % QT, gr = w.r0 + i;
+    const bool valid = gr < w.qrows;
+    const int64_t row = valid ? row0 + gr + (int64_t)div_r(gr, p) * (p.HQ - p.R) : 0;
+    if (threadIdx.x < QT)
+      cp_async4(lse_dst + i, p.lse + row, valid);
     else
-      cp_async4(dl_dst + r, p.delta + off, valid);
+      cp_async4(dl_dst + i, p.delta + row, valid);
   }
 }
 
 // One query tile of a warpgroup's 64 keys, for both dK/dV kernels: the four products and the
 // scores between them (the sequence in the comment above). dK's products are left in flight.
-template <typename T, int D, int KV_ROWS, int QT>
+template <typename T, int D, int KV_ROWS, int QT, bool DIAG>
 __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[1][D / 8][4], uint64_t k_desc,
                                           uint64_t v_desc, const T* Qc, const T* dOc, const float* lse_c,
-                                          const float* dl_c, bool diag, int r0, int wg, int key_tok, int lane,
+                                          const float* dl_c, int r0, int wg, int key_tok, int lane,
                                           const Params& p) {
   constexpr int NJ = QT / 8;
   const uint64_t q_k = kmajor_tile<QT>(Qc), do_k = kmajor_tile<QT>(dOc);
@@ -99,9 +129,8 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int col = 8 * j + 2 * (lane % 4) + (e & 1);
-      float x = st[0][j][e] * p.scale_log2;
-      if (diag && key_tok + 8 * (e / 2) > div_r(r0 + col, p)) x = -INFINITY;
-      st[0][j][e] = exp2f(x - lse_c[col]);
+      const float pe = exp2f(fmaf(st[0][j][e], p.scale_log2, -lse_c[col]));
+      st[0][j][e] = DIAG && key_tok + 8 * (e / 2) > div_r(r0 + col, p) ? 0.f : pe;
     }
   uint32_t pa[1][QT / 16][4];
   to_a_frags<T, 1, QT>(pa, st);
@@ -196,7 +225,9 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Param
   zero(dk);
   zero(dv);
 
-  for (int it = 0; !walk.done(); ++it) {
+  // One step per query tile; `diag` (std::true_type for the diagonal block's tiles, the walk's
+  // last) compiles the causal mask into the steps that need it only.
+  auto step = [&](int it, auto diag) {
     const int buf = it % STAGES;
     asm volatile("cp.async.wait_group %0;\n" ::"n"(AHEAD - 1) : "memory");
     fence_proxy_async();
@@ -206,14 +237,18 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Param
       ahead.next(p);
     }
     cp_async_commit();
-    dkdv_tile<T, D, KV_ROWS, QT>(dk, dv, k_desc, v_desc, Qs + buf * QT * D, dOs + buf * QT * D, lse_s + buf * QT,
-                                 dl_s + buf * QT, walk.diag(), walk.r0, wg, key_tok, lane, p);
+    dkdv_tile<T, D, KV_ROWS, QT, decltype(diag)::value>(dk, dv, k_desc, v_desc, Qs + buf * QT * D, dOs + buf * QT * D,
+                                                        lse_s + buf * QT, dl_s + buf * QT, walk.r0, wg, key_tok, lane,
+                                                        p);
     walk.next(p);
     // Waiting here rather than in the next tile: ptxas serialises every wgmma of the loop when
     // accumulators are in flight across its back edge (warning C7515). The other warpgroup keeps
     // the tensor cores busy meanwhile.
     wgmma_wait<0>();
-  }
+  };
+  int it = 0;
+  for (; !walk.done() && !walk.diag(); ++it) step(it, std::false_type{});
+  for (; !walk.done(); ++it) step(it, std::true_type{});
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // no copy outlives the CTA
   store_dkdv<T, D>(dk, dv, key_tok - n0, nvalid, b0 + n0, g, lane, p);
 #else
@@ -299,16 +334,20 @@ __global__ void __launch_bounds__(DkdvWsTiles<T, D>::THREADS, 1) dkdv_ws_kernel(
   zero(dv);
   mbar_wait(kv_full, 0);
   QueryWalk<QT> walk(p, g, kb, n0);
-  for (int it = 0; !walk.done(); ++it) {
+  auto step = [&](int it, auto diag) {  // as dkdv_kernel's
     const int buf = it % STAGES;
     mbar_wait(full + buf, (it / STAGES) & 1);
     fence_proxy_async();
-    dkdv_tile<T, D, KV_ROWS, QT>(dk, dv, k_desc, v_desc, Qs + buf * QT * D, dOs + buf * QT * D, lse_s + buf * QT,
-                                 dl_s + buf * QT, walk.diag(), walk.r0, wg, key_tok, lane, p);
+    dkdv_tile<T, D, KV_ROWS, QT, decltype(diag)::value>(dk, dv, k_desc, v_desc, Qs + buf * QT * D, dOs + buf * QT * D,
+                                                        lse_s + buf * QT, dl_s + buf * QT, walk.r0, wg, key_tok, lane,
+                                                        p);
     walk.next(p);
     wgmma_wait<0>();
     mbar_arrive(empty + buf);
-  }
+  };
+  int it = 0;
+  for (; !walk.done() && !walk.diag(); ++it) step(it, std::false_type{});
+  for (; !walk.done(); ++it) step(it, std::true_type{});
 
   store_dkdv<T, D>(dk, dv, key_tok - n0, nvalid, b0 + n0, g, lane, p);
   }
@@ -320,32 +359,72 @@ __global__ void __launch_bounds__(DkdvWsTiles<T, D>::THREADS, 1) dkdv_ws_kernel(
 // ---- Forward and dQ ----------------------------------------------------------------------------
 // Linear grid of (query tile, group) CTAs (QueryCta); CTA of two warpgroups, each owning 64 of
 // the tile's BM query rows (M of every product), over the K/V chunks of CH keys of KvWalk (N of
-// the score products, K of O += P V and dQ += dS K, with V and K read transposed). K/V chunks
-// arrive by cp.async STAGES - 1 chunks ahead; each warpgroup waits for its products before the
-// next chunk's barrier, so the chunk loaded after it may reuse the oldest buffer.
+// the score products, K of O += P V and dQ += dS K, with V and K read transposed).
+//
+// The product that closes a step (P V, dS K) runs during the next step's exponentials: a
+// warpgroup issues chunk it's score products and then chunk it - 1's closing product, so the
+// tensor cores work while it computes P. A loop back edge stays free of products in flight
+// (C7515): every step waits for all of its own.
+//
+// K/V chunks arrive by cp.async AHEAD chunks ahead, into rings of buffers. The forward reads a
+// chunk's V one step after its K, dQ its K one step after its V: the late one's ring holds one
+// buffer more, so that the load issued at the top of step it never overwrites a chunk still read.
 template <typename T, int D, int QUERY_TILES, int CH>
 struct QueryTiles {
-  // Three chunk buffers of 64 keys, two of 128 (shared memory); at 128 the loads get one step.
-  static constexpr int BM = 2 * WG_ROWS, STAGES = CH == 64 ? 3 : 2, THREADS = 2 * WG_THREADS;
-  static constexpr size_t smem_bytes() { return SW_ALIGN + sizeof(T) * (QUERY_TILES * BM + 2 * STAGES * CH) * D; }
+  static constexpr bool FORWARD = QUERY_TILES == 1;  // forward: Q; dQ: Q and dO
+  // At 128 keys shared memory leaves room for one chunk ahead, at 64 for two.
+  static constexpr int BM = 2 * WG_ROWS, AHEAD = CH == 64 ? 2 : 1, THREADS = 2 * WG_THREADS;
+  static constexpr int K_STAGES = AHEAD + 1 + (FORWARD ? 0 : 1), V_STAGES = AHEAD + 1 + (FORWARD ? 1 : 0);
+  static constexpr size_t smem_bytes() {
+    return SW_ALIGN + sizeof(T) * (QUERY_TILES * BM + (K_STAGES + V_STAGES) * CH) * D;
+  }
+};
+
+// This thread's share of the copies of a K/V chunk of CH keys (CopySlice): the global addresses
+// of its vectors differ by a fixed stride, where the general load_kv_rows recomputes both.
+template <typename T, int D, int NT, int CH>
+struct ChunkCopier {
+  using Slice = CopySlice<D, NT, CH>;
+  Slice sl;
+  const T* k;  // this thread's column of group g's row 0
+  const T* v;
+  int64_t row_stride;  // elements between consecutive tokens' rows
+
+  ChunkCopier() = default;
+  __device__ ChunkCopier(const T* k_, const T* v_, int g, int G)
+      : k(k_ + g * D + sl.c), v(v_ + g * D + sl.c), row_stride((int64_t)G * D) {}
+  // Rows past c.nvalid get zeros, so a masked P times V stays 0.
+  __device__ void copy(T* k_dst, T* v_dst, const Chunk& ch) const {
+    const int64_t row = (int64_t)(ch.k0 + sl.r) * row_stride;
+#pragma unroll
+    for (int j = 0; j < Slice::N; ++j) {
+      const bool valid = sl.r + j * Slice::ROW_STEP < ch.nvalid;  // else no byte is read: any valid address
+      const int64_t off = row + j * Slice::ROW_STEP * row_stride;
+      cp_async16(k_dst + sl.smem_off + Slice::step(j), valid ? k + off : k, valid);
+      cp_async16(v_dst + sl.smem_off + Slice::step(j), valid ? v + off : v, valid);
+    }
+  }
 };
 
 // The parts of a forward or dQ CTA that do not depend on what it computes: its query rows, the
-// K/V chunks it walks, and their ring of shared-memory buffers.
+// K/V chunks it walks, and their rings of shared-memory buffers.
 template <typename T, int D, int QUERY_TILES, int CH>
 struct QueryCta {
   using Tiles = QueryTiles<T, D, QUERY_TILES, CH>;
-  static constexpr int BM = Tiles::BM, STAGES = Tiles::STAGES, NT = Tiles::THREADS;
+  static constexpr int BM = Tiles::BM, AHEAD = Tiles::AHEAD, NT = Tiles::THREADS;
+  static constexpr int K_STAGES = Tiles::K_STAGES, V_STAGES = Tiles::V_STAGES;
 
   T* qtiles;  // QUERY_TILES tiles of BM rows (Q, then dO)
-  T* Ks;      // STAGES chunk buffers
-  T* Vs;
+  T* Ks;      // K_STAGES chunk buffers
+  T* Vs;      // V_STAGES chunk buffers
   int g, qb, q0, row0, nrows;
+  ChunkCopier<T, D, NT, CH> copier;
+  Chunk pending;  // the next chunk to load, read from the index one step before its copies
 
   __device__ QueryCta(unsigned char* smem_raw, const Params& p) {
     qtiles = reinterpret_cast<T*>(smem_raw + ((SW_ALIGN - smem_u32(smem_raw) % SW_ALIGN) % SW_ALIGN));
     Ks = qtiles + QUERY_TILES * BM * D;
-    Vs = Ks + STAGES * CH * D;
+    Vs = Ks + K_STAGES * CH * D;
     // Linear grid, walked from the last tile and group fastest: late query blocks select the
     // full budget and early ones fewer, so the longest CTAs start first.
     const int tiles = (p.block * p.R + BM - 1) / BM, lin = gridDim.x - 1 - blockIdx.x, tile = lin / p.G;
@@ -354,11 +433,12 @@ struct QueryCta {
     row0 = (tile % tiles) * BM;
     q0 = p.bstart[qb];
     nrows = (p.bend[qb] - q0) * p.R;
+    copier = ChunkCopier<T, D, NT, CH>(static_cast<const T*>(p.k), static_cast<const T*>(p.v), g, p.G);
   }
   __device__ bool empty() const { return row0 >= nrows; }
-  // Chunk `it`'s K and V tiles in the ring of buffers.
-  __device__ const T* keys(int it) const { return Ks + (it % STAGES) * CH * D; }
-  __device__ const T* values(int it) const { return Vs + (it % STAGES) * CH * D; }
+  // Chunk `it`'s K and V tiles in their rings.
+  __device__ const T* keys(int it) const { return Ks + (it % K_STAGES) * CH * D; }
+  __device__ const T* values(int it) const { return Vs + (it % V_STAGES) * CH * D; }
   // Whether key column col of a diagonal chunk c is hidden from a row of token tok: past the
   // block's end or after the row's token (every key of an off-diagonal chunk is visible).
   __device__ static bool masked(const Chunk& c, int col, int tok) { return col >= c.nvalid || c.kt0 + col > tok; }
@@ -368,31 +448,44 @@ struct QueryCta {
   __device__ void load_queries(int t, const T* src, const Params& p) {
     load_q_rows<T, D, BM, NT, Swizzled128<BM>>(qtiles + t * BM * D, src, q0, row0, nrows, p, g);
   }
-  __device__ void load_chunk(const Chunk& c, int buf, const Params& p) {
-    load_kv_rows<T, D, NT, CH, Swizzled128<CH>>(Ks + buf * CH * D, static_cast<const T*>(p.k), c.k0,
-                                                      c.nvalid, g, p.G);
-    load_kv_rows<T, D, NT, CH, Swizzled128<CH>>(Vs + buf * CH * D, static_cast<const T*>(p.v), c.k0,
-                                                      c.nvalid, g, p.G);
+  __device__ void load_chunk(const Chunk& c, int it) {
+    copier.copy(Ks + (it % K_STAGES) * CH * D, Vs + (it % V_STAGES) * CH * D, c);
   }
-  // Called at the top of step `it`: chunk `it` is visible to every thread afterwards, and the
-  // load of chunk it + STAGES - 1 is issued into the buffer that chunk it - 1 used.
-  __device__ void next_chunk(const KvWalk<CH>& w, int it, const Params& p) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");
-    fence_proxy_async();
-    __syncthreads();
-    const int ahead = it + STAGES - 1;
-    if (ahead < w.n_total) load_chunk(w.chunk(p, ahead), ahead % STAGES, p);
-    cp_async_commit();
-  }
-  // The first STAGES - 1 chunks, each its own commit group (the query tiles join the first).
+  // The first AHEAD chunks, each its own commit group (the query tiles join the first).
   __device__ void prologue(const KvWalk<CH>& w, const Params& p) {
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < w.n_total) load_chunk(w.chunk(p, s), s, p);
+    for (int s = 0; s < AHEAD; ++s) {
+      if (s < w.n_total) load_chunk(w.chunk(p, s), s);
       cp_async_commit();
     }
+    if (AHEAD < w.n_total) pending = w.chunk(p, AHEAD);
+  }
+  // At the top of step `it`: chunk `it` is visible to every thread afterwards. Every thread is
+  // then past step it - 1, whose products it waited for.
+  __device__ void wait_chunk() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(AHEAD - 1) : "memory");
+    fence_proxy_async();
+    __syncthreads();
+  }
+  // After step it's products are issued: the copies of chunk it + AHEAD, into buffers that no
+  // product of step it reads, and the index read of the chunk after it, which has a step to land.
+  __device__ void load_ahead(const KvWalk<CH>& w, int it, const Params& p) {
+    if (it + AHEAD < w.n_total) load_chunk(pending, it + AHEAD);
+    cp_async_commit();
+    if (it + AHEAD + 1 < w.n_total) pending = w.chunk(p, it + AHEAD + 1);
   }
 };
+
+// O += P V for one chunk: P from registers, V read transposed from its tile. Left in flight.
+template <typename T, int D, int CH>
+__device__ __forceinline__ void accumulate_pv(float (&o)[1][D / 8][4], const uint32_t (&pa)[1][CH / 16][4],
+                                              const T* Vc) {
+  const uint64_t v_mn = mnmajor_tile<T, CH>(Vc);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < CH / 16; ++k) wgmma_rs_tb<T, D>(o[0], pa[0][k], mnmajor_at<T>(v_mn, 16 * k), true);
+  wgmma_commit();
+}
 
 template <typename T, int D, int CH>
 __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kernel(Params p) {
@@ -420,37 +513,44 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
   float o[1][D / 8][4];
   zero(o);
 
-  for (int it = 0; it < walk.n_total; ++it) {
-    cta.next_chunk(walk, it, p);
-    const Chunk cur = walk.chunk(p, it);
-    const T* Kc = cta.keys(it);
-    const T* Vc = cta.values(it);
-    const uint64_t k_desc = kmajor_tile<CH>(Kc), v_mn = mnmajor_tile<T, CH>(Vc);
+  // P of the previous chunk, multiplied by its V during this step. The first step multiplies
+  // zeros by its own chunk's V (finite: rows past the block are zero-filled), which adds nothing
+  // and keeps every step's products and waits the same; ptxas serialises all products of a
+  // loop whose waits it cannot match to them on every path (C7514).
+  uint32_t pa[1][CH / 16][4] = {};
+  // One step per chunk; `diag` (std::true_type for the diagonal block's chunks) compiles the
+  // causal mask into the steps that need it only.
+  auto step = [&](int it, auto diag) {
+    cta.wait_chunk();
+    const uint64_t k_desc = kmajor_tile<CH>(cta.keys(it));
     float s[1][NJ][4];
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < D; k += 16)
       wgmma_ss<T, CH>(s[0], kmajor_at<T, BM>(q_desc, wg * WG_ROWS, k), kmajor_at<T, CH>(k_desc, 0, k), k > 0);
     wgmma_commit();
-    wgmma_wait<0>();
-    const bool diag = it >= walk.n_off;
+    accumulate_pv<T, D, CH>(o, pa, cta.values(max(it - 1, 0)));
+    cta.load_ahead(walk, it, p);
+    wgmma_wait<1>();  // S done; the previous chunk's P V runs on
+    // Scores stay unscaled until the exponential folds the scale in: exp2(s scale - m), where m
+    // is the running maximum in scaled units.
     float mx[2] = {-INFINITY, -INFINITY};
+    if constexpr (decltype(diag)::value) {
+      const Chunk cur = walk.chunk(p, it);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (Cta::masked(cur, 8 * j + 2 * (lane % 4) + (e & 1), tok[e / 2])) s[0][j][e] = -INFINITY;
+    }
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[0][j][e] * p.scale_log2;
-        if (diag) {
-          const int col = 8 * j + 2 * (lane % 4) + (e & 1);
-          if (Cta::masked(cur, col, tok[e / 2])) x = -INFINITY;
-        }
-        s[0][j][e] = x;
-        mx[e / 2] = fmaxf(mx[e / 2], x);
-      }
+      for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[0][j][e]);
     float alpha[2], m_use[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m[h], quad_max(mx[h]));
+      const float m_new = fmaxf(m[h], quad_max(mx[h]) * p.scale_log2);
       m_use[h] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
       alpha[h] = exp2f(m[h] - m_use[h]);
       m[h] = m_new;
@@ -460,21 +560,21 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[0][j][e] = exp2f(s[0][j][e] - m_use[e / 2]);
+        s[0][j][e] = exp2f(fmaf(s[0][j][e], p.scale_log2, -m_use[e / 2]));
         l[e / 2] += s[0][j][e];
       }
+    wgmma_wait<0>();  // O holds every chunk before this one: rescale it to this chunk's maximum
 #pragma unroll
     for (int j = 0; j < D / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[0][j][e] *= alpha[e / 2];
-    uint32_t pa[1][CH / 16][4];
     to_a_frags<T, 1, CH>(pa, s);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < CH / 16; ++k) wgmma_rs_tb<T, D>(o[0], pa[0][k], mnmajor_at<T>(v_mn, 16 * k), true);
-    wgmma_commit();
-    wgmma_wait<0>();
-  }
+  };
+  int it = 0;
+  for (; it < walk.n_off; ++it) step(it, std::false_type{});
+  for (; it < walk.n_total; ++it) step(it, std::true_type{});
+  accumulate_pv<T, D, CH>(o, pa, cta.values(walk.n_total - 1));  // walks hold at least the diagonal chunk
+  wgmma_wait<0>();
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 
 #pragma unroll
@@ -492,6 +592,17 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
 #else
   __trap();
 #endif
+}
+
+// dQ += dS K for one chunk: dS from registers, K read transposed from its tile. Left in flight.
+template <typename T, int D, int CH>
+__device__ __forceinline__ void accumulate_dsk(float (&dq)[1][D / 8][4], const uint32_t (&da)[1][CH / 16][4],
+                                               const T* Kc) {
+  const uint64_t k_mn = mnmajor_tile<T, CH>(Kc);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < CH / 16; ++k) wgmma_rs_tb<T, D>(dq[0], da[0][k], mnmajor_at<T>(k_mn, 16 * k), true);
+  wgmma_commit();
 }
 
 template <typename T, int D, int CH>
@@ -527,12 +638,10 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
   float dq[1][D / 8][4];
   zero(dq);
 
-  for (int it = 0; it < walk.n_total; ++it) {
-    cta.next_chunk(walk, it, p);
-    const Chunk cur = walk.chunk(p, it);
-    const T* Kc = cta.keys(it);
-    const T* Vc = cta.values(it);
-    const uint64_t k_desc = kmajor_tile<CH>(Kc), v_desc = kmajor_tile<CH>(Vc), k_mn = mnmajor_tile<T, CH>(Kc);
+  uint32_t da[1][CH / 16][4] = {};  // dS of the previous chunk (zeros at first), as the forward's P
+  auto step = [&](int it, auto diag) {  // as the forward's
+    cta.wait_chunk();
+    const uint64_t k_desc = kmajor_tile<CH>(cta.keys(it)), v_desc = kmajor_tile<CH>(cta.values(it));
     float s[1][NJ][4], dp[1][NJ][4];
     wgmma_fence();
 #pragma unroll
@@ -543,35 +652,34 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
     for (int k = 0; k < D; k += 16)
       wgmma_ss<T, CH>(dp[0], kmajor_at<T, BM>(do_desc, wg * WG_ROWS, k), kmajor_at<T, CH>(v_desc, 0, k), k > 0);
     wgmma_commit();
-    wgmma_wait<1>();  // S done; dP may still run
-    const bool diag = it >= walk.n_off;
+    accumulate_dsk<T, D, CH>(dq, da, cta.keys(max(it - 1, 0)));
+    cta.load_ahead(walk, it, p);
+    wgmma_wait<2>();  // S done; dP and the previous chunk's dS K run on
+    if constexpr (decltype(diag)::value) {
+      const Chunk cur = walk.chunk(p, it);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (Cta::masked(cur, 8 * j + 2 * (lane % 4) + (e & 1), tok[e / 2])) s[0][j][e] = -INFINITY;
+    }
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[0][j][e] * p.scale_log2;
-        if (diag) {
-          const int col = 8 * j + 2 * (lane % 4) + (e & 1);
-          if (Cta::masked(cur, col, tok[e / 2])) x = -INFINITY;
-        }
-        s[0][j][e] = exp2f(x - lse[e / 2]);
-      }
-    wgmma_wait<0>();
-    uint32_t da[1][CH / 16][4];
+      for (int e = 0; e < 4; ++e) s[0][j][e] = exp2f(fmaf(s[0][j][e], p.scale_log2, -lse[e / 2]));
+    wgmma_wait<1>();  // dP done
 #pragma unroll
-    for (int k = 0; k < CH / 16; ++k)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
-      for (int h = 0; h < 4; ++h) {  // dS = P (dP - delta), straight into A fragments (to_a_frags' order)
-        const int j = 2 * k + h / 2, e0 = 2 * (h % 2);
-        da[0][k][h] = pack2<T>(s[0][j][e0] * (dp[0][j][e0] - dl[e0 / 2]),
-                               s[0][j][e0 + 1] * (dp[0][j][e0 + 1] - dl[e0 / 2]));
-      }
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < CH / 16; ++k) wgmma_rs_tb<T, D>(dq[0], da[0][k], mnmajor_at<T>(k_mn, 16 * k), true);
-    wgmma_commit();
-    wgmma_wait<0>();
-  }
+      for (int e = 0; e < 4; ++e) s[0][j][e] *= dp[0][j][e] - dl[e / 2];  // dS = P (dP - delta)
+    wgmma_wait<0>();  // the previous chunk's dS K has read da
+    to_a_frags<T, 1, CH>(da, s);
+  };
+  int it = 0;
+  for (; it < walk.n_off; ++it) step(it, std::false_type{});
+  for (; it < walk.n_total; ++it) step(it, std::true_type{});
+  accumulate_dsk<T, D, CH>(dq, da, cta.keys(walk.n_total - 1));
+  wgmma_wait<0>();
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 
 #pragma unroll
