@@ -9,17 +9,21 @@
 // on the tensor cores.
 //
 // What set their speed, measured on one H200 (docs/BENCHMARKS.md): the order in which CTAs start
-// (the longest first, see the grids below) and the instructions around the products, since a
-// CTA of eight warps leaves each scheduler two warps to issue from: no integer division by R,
+// (the longest first, see the grids below); warp specialisation (a producer warpgroup copies,
+// two consumers multiply, and mbarriers rather than CTA barriers pass the buffers, so the
+// consumers drift apart and one's exponentials overlap the other's products); and the
+// instructions around the products, since two consumer warps per scheduler are all there is
+// to issue from: no integer division by R,
 // copies whose addresses are set up once per CTA, the causal mask compiled only into the
 // diagonal block's steps, the softmax scale folded into the exponential's multiply-add. Products
 // in flight across a loop's back edge, or waits that ptxas cannot match to their products on
 // every path, make it serialise every wgmma of the loop (warnings C7515, C7514): each
 // warpgroup waits for all of its products within a step.
 //
-// The forward and dQ run for every block size; dK/dV where a block holds whole chunks of its
-// KV_ROWS keys (block 128 and 256), warp-specialised at head dim 64 (dkdv_ws_kernel). The host
-// dispatch (attention.cu) keeps the mma.sync kernels for the rest and for other GPUs.
+// The forward and dQ (warp-specialised) run for every block size; dK/dV where a block holds
+// whole chunks of its KV_ROWS keys (block 128 and 256), warp-specialised at head dim 64
+// (dkdv_ws_kernel; at 128 its consumers would spill dK and dV). The host dispatch
+// (attention.cu) keeps the mma.sync kernels for the rest and for other GPUs.
 #pragma once
 
 #include "cuda/attention_kernels.cuh"
@@ -36,6 +40,21 @@ template <int ROWS>
 struct Swizzled128 {
   __device__ static int offset(int r, int c) { return sw128_offset<ROWS>(r, c); }
 };
+
+// The mbarriers of a warp-specialised CTA (one producer warpgroup, two consumers): per stage
+// "full" (every producer thread's copies landed) and "empty" (every consumer thread is done
+// with the buffer), and `once` for the operands copied once. Every thread calls it.
+__device__ __forceinline__ void init_ws_barriers(uint64_t* full, uint64_t* empty, int stages, uint64_t* once) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(full + s, WG_THREADS);
+      mbar_init(empty + s, 2 * WG_THREADS);
+    }
+    mbar_init(once, WG_THREADS);
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
 
 // ---- dK/dV ----------------------------------------------------------------------------------------
 // Linear grid of NB * block / KV_ROWS * G CTAs; CTA of two warpgroups, each owning 64 of the
@@ -297,15 +316,7 @@ __global__ void __launch_bounds__(DkdvWsTiles<T, D>::THREADS, 1) dkdv_ws_kernel(
   const int b0 = p.bstart[kb], blen = p.bend[kb] - b0;
   if (n0 >= blen) return;
   const int nvalid = min(KV_ROWS, blen - n0);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + s, WG_THREADS);       // every producer thread's copies
-      mbar_init(empty + s, 2 * WG_THREADS);  // every consumer thread is done with the buffer
-    }
-    mbar_init(kv_full, WG_THREADS);
-    mbar_init_fence();
-  }
-  __syncthreads();
+  init_ws_barriers(full, empty, STAGES, kv_full);
 
   if (threadIdx.x < WG_THREADS) {  // producer: threads 0..127 issue the copies
     regs_dec<Tiles::PRODUCER_REGS>();
@@ -357,27 +368,33 @@ __global__ void __launch_bounds__(DkdvWsTiles<T, D>::THREADS, 1) dkdv_ws_kernel(
 }
 
 // ---- Forward and dQ ----------------------------------------------------------------------------
-// Linear grid of (query tile, group) CTAs (QueryCta); CTA of two warpgroups, each owning 64 of
-// the tile's BM query rows (M of every product), over the K/V chunks of CH keys of KvWalk (N of
-// the score products, K of O += P V and dQ += dS K, with V and K read transposed).
+// Linear grid of (query tile, group) CTAs (QueryCta); CTA of three warpgroups: a producer that
+// copies the query tiles once and then the walk's K/V chunks of CH keys (KvWalk) into a ring of
+// STAGES buffers, and two consumers, each owning 64 of the tile's BM query rows (M of every
+// product), over the chunks (N of the score products, K of O += P V and dQ += dS K, with V and K
+// read transposed). Buffers pass between them on mbarriers ("full": the producer's copies landed;
+// "empty": both consumers are done with it), so no CTA-wide barrier is left in the loop and the
+// consumers drift apart: one's exponentials run while the other's products do. setmaxnreg moves
+// registers from the producer to the consumers, which hold O or dQ and the scores.
 //
 // The product that closes a step (P V, dS K) runs during the next step's exponentials: a
-// warpgroup issues chunk it's score products and then chunk it - 1's closing product, so the
-// tensor cores work while it computes P. A loop back edge stays free of products in flight
+// consumer issues chunk it's score products and then chunk it - 1's closing product, and hands
+// chunk it - 1 back once that is done. A loop back edge stays free of products in flight
 // (C7515): every step waits for all of its own.
-//
-// K/V chunks arrive by cp.async AHEAD chunks ahead, into rings of buffers. The forward reads a
-// chunk's V one step after its K, dQ its K one step after its V: the late one's ring holds one
-// buffer more, so that the load issued at the top of step it never overwrites a chunk still read.
 template <typename T, int D, int QUERY_TILES, int CH>
 struct QueryTiles {
-  static constexpr bool FORWARD = QUERY_TILES == 1;  // forward: Q; dQ: Q and dO
-  // At 128 keys shared memory leaves room for one chunk ahead, at 64 for two.
-  static constexpr int BM = 2 * WG_ROWS, AHEAD = CH == 64 ? 2 : 1, THREADS = 2 * WG_THREADS;
-  static constexpr int K_STAGES = AHEAD + 1 + (FORWARD ? 0 : 1), V_STAGES = AHEAD + 1 + (FORWARD ? 1 : 0);
-  static constexpr size_t smem_bytes() {
-    return SW_ALIGN + sizeof(T) * (QUERY_TILES * BM + (K_STAGES + V_STAGES) * CH) * D;
-  }
+  // setmaxnreg moves registers within what the CTA was launched with (168 per thread at 384
+  // threads): 128 x 56 + 256 x 224 = 128 x 168 x 3. Asking for more hangs the consumers.
+  static constexpr int BM = 2 * WG_ROWS, THREADS = 3 * WG_THREADS, PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+  static_assert(WG_THREADS * PRODUCER_REGS + 2 * WG_THREADS * CONSUMER_REGS <= THREADS * 168, "register pool");
+  // As many chunk stages as an SM's 227 KB of shared memory holds beside the query tiles (a
+  // consumer holds two chunks, so the third is the producer's lead), four at most.
+  static constexpr int SMEM_LIMIT = 227 * 1024, BARRIERS = 64;
+  static constexpr int FIXED = SW_ALIGN + BARRIERS + QUERY_TILES * BM * D * (int)sizeof(T);
+  static constexpr int STAGE = 2 * CH * D * (int)sizeof(T);
+  static constexpr int STAGES = (SMEM_LIMIT - FIXED) / STAGE < 4 ? (SMEM_LIMIT - FIXED) / STAGE : 4;
+  static constexpr bool FITS = STAGES >= 3;  // the host instantiates only the shapes that fit
+  static constexpr size_t smem_bytes() { return FIXED + STAGES * STAGE; }
 };
 
 // This thread's share of the copies of a K/V chunk of CH keys (CopySlice): the global addresses
@@ -406,25 +423,29 @@ struct ChunkCopier {
   }
 };
 
+
 // The parts of a forward or dQ CTA that do not depend on what it computes: its query rows, the
-// K/V chunks it walks, and their rings of shared-memory buffers.
+// K/V chunks it walks, the ring of buffers they pass through and its barriers.
 template <typename T, int D, int QUERY_TILES, int CH>
 struct QueryCta {
   using Tiles = QueryTiles<T, D, QUERY_TILES, CH>;
-  static constexpr int BM = Tiles::BM, AHEAD = Tiles::AHEAD, NT = Tiles::THREADS;
-  static constexpr int K_STAGES = Tiles::K_STAGES, V_STAGES = Tiles::V_STAGES;
+  static constexpr int BM = Tiles::BM, STAGES = Tiles::STAGES;
 
   T* qtiles;  // QUERY_TILES tiles of BM rows (Q, then dO)
-  T* Ks;      // K_STAGES chunk buffers
-  T* Vs;      // V_STAGES chunk buffers
+  T* Ks;      // STAGES chunk buffers
+  T* Vs;
+  uint64_t* full;  // [STAGES]
+  uint64_t* empty;
+  uint64_t* queries_full;
   int g, qb, q0, row0, nrows;
-  ChunkCopier<T, D, NT, CH> copier;
-  Chunk pending;  // the next chunk to load, read from the index one step before its copies
 
   __device__ QueryCta(unsigned char* smem_raw, const Params& p) {
     qtiles = reinterpret_cast<T*>(smem_raw + ((SW_ALIGN - smem_u32(smem_raw) % SW_ALIGN) % SW_ALIGN));
     Ks = qtiles + QUERY_TILES * BM * D;
-    Vs = Ks + K_STAGES * CH * D;
+    Vs = Ks + STAGES * CH * D;
+    full = reinterpret_cast<uint64_t*>(Vs + STAGES * CH * D);
+    empty = full + STAGES;
+    queries_full = empty + STAGES;
     // Linear grid, walked from the last tile and group fastest: late query blocks select the
     // full budget and early ones fewer, so the longest CTAs start first.
     const int tiles = (p.block * p.R + BM - 1) / BM, lin = gridDim.x - 1 - blockIdx.x, tile = lin / p.G;
@@ -433,47 +454,41 @@ struct QueryCta {
     row0 = (tile % tiles) * BM;
     q0 = p.bstart[qb];
     nrows = (p.bend[qb] - q0) * p.R;
-    copier = ChunkCopier<T, D, NT, CH>(static_cast<const T*>(p.k), static_cast<const T*>(p.v), g, p.G);
   }
-  __device__ bool empty() const { return row0 >= nrows; }
-  // Chunk `it`'s K and V tiles in their rings.
-  __device__ const T* keys(int it) const { return Ks + (it % K_STAGES) * CH * D; }
-  __device__ const T* values(int it) const { return Vs + (it % V_STAGES) * CH * D; }
-  // Whether key column col of a diagonal chunk c is hidden from a row of token tok: past the
-  // block's end or after the row's token (every key of an off-diagonal chunk is visible).
-  __device__ static bool masked(const Chunk& c, int col, int tok) { return col >= c.nvalid || c.kt0 + col > tok; }
+  __device__ bool empty_tile() const { return row0 >= nrows; }
   __device__ KvWalk<CH> walk(const Params& p) const {
     return KvWalk<CH>(p, g, qb, q0, nrows / p.R, (min(row0 + BM, nrows) - 1) / p.R);
   }
-  __device__ void load_queries(int t, const T* src, const Params& p) {
-    load_q_rows<T, D, BM, NT, Swizzled128<BM>>(qtiles + t * BM * D, src, q0, row0, nrows, p, g);
-  }
-  __device__ void load_chunk(const Chunk& c, int it) {
-    copier.copy(Ks + (it % K_STAGES) * CH * D, Vs + (it % V_STAGES) * CH * D, c);
-  }
-  // The first AHEAD chunks, each its own commit group (the query tiles join the first).
-  __device__ void prologue(const KvWalk<CH>& w, const Params& p) {
+  // Whether key column col of a diagonal chunk c is hidden from a row of token tok: past the
+  // block's end or after the row's token (every key of an off-diagonal chunk is visible).
+  __device__ static bool masked(const Chunk& c, int col, int tok) { return col >= c.nvalid || c.kt0 + col > tok; }
+  __device__ void init_barriers() { init_ws_barriers(full, empty, STAGES, queries_full); }
+  // The producer warpgroup (threads 0..127): the query tiles from `sources`, then every chunk of
+  // the walk, each into the buffer its chunk STAGES earlier has been handed back from.
+  __device__ void produce(const KvWalk<CH>& w, const T* const (&sources)[QUERY_TILES], const Params& p) {
 #pragma unroll
-    for (int s = 0; s < AHEAD; ++s) {
-      if (s < w.n_total) load_chunk(w.chunk(p, s), s);
-      cp_async_commit();
+    for (int t = 0; t < QUERY_TILES; ++t)
+      load_q_rows<T, D, BM, WG_THREADS, Swizzled128<BM>>(qtiles + t * BM * D, sources[t], q0, row0, nrows, p, g);
+    mbar_arrive_cp_async(queries_full);
+    const ChunkCopier<T, D, WG_THREADS, CH> copier(static_cast<const T*>(p.k), static_cast<const T*>(p.v), g, p.G);
+    for (int it = 0; it < w.n_total; ++it) {
+      const int buf = it % STAGES;
+      const Chunk c = w.chunk(p, it);  // the index read overlaps the wait
+      if (it >= STAGES) mbar_wait(empty + buf, (it / STAGES - 1) & 1);
+      copier.copy(Ks + buf * CH * D, Vs + buf * CH * D, c);
+      mbar_arrive_cp_async(full + buf);
     }
-    if (AHEAD < w.n_total) pending = w.chunk(p, AHEAD);
+    cp_async_wait_all();  // no copy outlives the CTA
   }
-  // At the top of step `it`: chunk `it` is visible to every thread afterwards. Every thread is
-  // then past step it - 1, whose products it waited for.
-  __device__ void wait_chunk() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(AHEAD - 1) : "memory");
-    fence_proxy_async();
-    __syncthreads();
+  // Consumers: wait for the query tiles, for chunk `it`, and hand chunk `it` back.
+  __device__ void wait_queries() const { mbar_wait(queries_full, 0); }
+  __device__ void wait_chunk(int it) const {
+    mbar_wait(full + it % STAGES, (it / STAGES) & 1);
+    fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
   }
-  // After step it's products are issued: the copies of chunk it + AHEAD, into buffers that no
-  // product of step it reads, and the index read of the chunk after it, which has a step to land.
-  __device__ void load_ahead(const KvWalk<CH>& w, int it, const Params& p) {
-    if (it + AHEAD < w.n_total) load_chunk(pending, it + AHEAD);
-    cp_async_commit();
-    if (it + AHEAD + 1 < w.n_total) pending = w.chunk(p, it + AHEAD + 1);
-  }
+  __device__ void release(int it) const { mbar_arrive(empty + it % STAGES); }
+  __device__ const T* keys(int it) const { return Ks + (it % STAGES) * CH * D; }
+  __device__ const T* values(int it) const { return Vs + (it % STAGES) * CH * D; }
 };
 
 // O += P V for one chunk: P from registers, V read transposed from its tile. Left in flight.
@@ -487,20 +502,27 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[1][D / 8][4], const uin
   wgmma_commit();
 }
 
+
 template <typename T, int D, int CH>
 __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cta = QueryCta<T, D, 1, CH>;
+  using Tiles = typename Cta::Tiles;
+  static_assert(Tiles::FITS, "three chunk stages at least");
   constexpr int BM = Cta::BM, NJ = CH / 8;
   extern __shared__ unsigned char smem_raw[];
   Cta cta(smem_raw, p);
-  if (cta.empty()) return;
-  const int wg = threadIdx.x / WG_THREADS, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
+  if (cta.empty_tile()) return;
   const KvWalk<CH> walk = cta.walk(p);
-  cta.load_queries(0, static_cast<const T*>(p.q), p);
-  cta.prologue(walk, p);
+  cta.init_barriers();
+  if (threadIdx.x < WG_THREADS) {
+    regs_dec<Tiles::PRODUCER_REGS>();
+    cta.produce(walk, {static_cast<const T*>(p.q)}, p);
+    return;
+  }
+  regs_inc<Tiles::CONSUMER_REGS>();
+  const int wg = threadIdx.x / WG_THREADS - 1, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
   const uint64_t q_desc = kmajor_tile<BM>(cta.qtiles);
-
   const int wrow = cta.row0 + wg * WG_ROWS + warp * 16 + lane / 4;  // this lane's rows: wrow + 8 h
   int tok[2];
   float m[2], l[2];
@@ -518,10 +540,11 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
   // and keeps every step's products and waits the same; ptxas serialises all products of a
   // loop whose waits it cannot match to them on every path (C7514).
   uint32_t pa[1][CH / 16][4] = {};
+  cta.wait_queries();
   // One step per chunk; `diag` (std::true_type for the diagonal block's chunks) compiles the
   // causal mask into the steps that need it only.
   auto step = [&](int it, auto diag) {
-    cta.wait_chunk();
+    cta.wait_chunk(it);
     const uint64_t k_desc = kmajor_tile<CH>(cta.keys(it));
     float s[1][NJ][4];
     wgmma_fence();
@@ -530,11 +553,9 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
       wgmma_ss<T, CH>(s[0], kmajor_at<T, BM>(q_desc, wg * WG_ROWS, k), kmajor_at<T, CH>(k_desc, 0, k), k > 0);
     wgmma_commit();
     accumulate_pv<T, D, CH>(o, pa, cta.values(max(it - 1, 0)));
-    cta.load_ahead(walk, it, p);
     wgmma_wait<1>();  // S done; the previous chunk's P V runs on
     // Scores stay unscaled until the exponential folds the scale in: exp2(s scale - m), where m
     // is the running maximum in scaled units.
-    float mx[2] = {-INFINITY, -INFINITY};
     if constexpr (decltype(diag)::value) {
       const Chunk cur = walk.chunk(p, it);
 #pragma unroll
@@ -543,6 +564,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
         for (int e = 0; e < 4; ++e)
           if (Cta::masked(cur, 8 * j + 2 * (lane % 4) + (e & 1), tok[e / 2])) s[0][j][e] = -INFINITY;
     }
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
@@ -564,6 +586,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
         l[e / 2] += s[0][j][e];
       }
     wgmma_wait<0>();  // O holds every chunk before this one: rescale it to this chunk's maximum
+    if (it > 0) cta.release(it - 1);
 #pragma unroll
     for (int j = 0; j < D / 8; ++j)
 #pragma unroll
@@ -575,7 +598,6 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
   for (; it < walk.n_total; ++it) step(it, std::true_type{});
   accumulate_pv<T, D, CH>(o, pa, cta.values(walk.n_total - 1));  // walks hold at least the diagonal chunk
   wgmma_wait<0>();
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -605,21 +627,27 @@ __device__ __forceinline__ void accumulate_dsk(float (&dq)[1][D / 8][4], const u
   wgmma_commit();
 }
 
+
 template <typename T, int D, int CH>
 __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cta = QueryCta<T, D, 2, CH>;
+  using Tiles = typename Cta::Tiles;
+  static_assert(Tiles::FITS, "three chunk stages at least");
   constexpr int BM = Cta::BM, NJ = CH / 8;
   extern __shared__ unsigned char smem_raw[];
   Cta cta(smem_raw, p);
-  if (cta.empty()) return;
-  const int wg = threadIdx.x / WG_THREADS, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
+  if (cta.empty_tile()) return;
   const KvWalk<CH> walk = cta.walk(p);
-  cta.load_queries(0, static_cast<const T*>(p.q), p);
-  cta.load_queries(1, static_cast<const T*>(p.dout), p);
-  cta.prologue(walk, p);
+  cta.init_barriers();
+  if (threadIdx.x < WG_THREADS) {
+    regs_dec<Tiles::PRODUCER_REGS>();
+    cta.produce(walk, {static_cast<const T*>(p.q), static_cast<const T*>(p.dout)}, p);
+    return;
+  }
+  regs_inc<Tiles::CONSUMER_REGS>();
+  const int wg = threadIdx.x / WG_THREADS - 1, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
   const uint64_t q_desc = kmajor_tile<BM>(cta.qtiles), do_desc = kmajor_tile<BM>(cta.qtiles + BM * D);
-
   const int wrow = cta.row0 + wg * WG_ROWS + warp * 16 + lane / 4;
   int tok[2];
   float lse[2], dl[2];
@@ -639,8 +667,9 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
   zero(dq);
 
   uint32_t da[1][CH / 16][4] = {};  // dS of the previous chunk (zeros at first), as the forward's P
+  cta.wait_queries();
   auto step = [&](int it, auto diag) {  // as the forward's
-    cta.wait_chunk();
+    cta.wait_chunk(it);
     const uint64_t k_desc = kmajor_tile<CH>(cta.keys(it)), v_desc = kmajor_tile<CH>(cta.values(it));
     float s[1][NJ][4], dp[1][NJ][4];
     wgmma_fence();
@@ -653,7 +682,6 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
       wgmma_ss<T, CH>(dp[0], kmajor_at<T, BM>(do_desc, wg * WG_ROWS, k), kmajor_at<T, CH>(v_desc, 0, k), k > 0);
     wgmma_commit();
     accumulate_dsk<T, D, CH>(dq, da, cta.keys(max(it - 1, 0)));
-    cta.load_ahead(walk, it, p);
     wgmma_wait<2>();  // S done; dP and the previous chunk's dS K run on
     if constexpr (decltype(diag)::value) {
       const Chunk cur = walk.chunk(p, it);
@@ -672,7 +700,8 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[0][j][e] *= dp[0][j][e] - dl[e / 2];  // dS = P (dP - delta)
-    wgmma_wait<0>();  // the previous chunk's dS K has read da
+    wgmma_wait<0>();  // the previous chunk's dS K has read da and its K
+    if (it > 0) cta.release(it - 1);
     to_a_frags<T, 1, CH>(da, s);
   };
   int it = 0;
@@ -680,7 +709,6 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
   for (; it < walk.n_total; ++it) step(it, std::true_type{});
   accumulate_dsk<T, D, CH>(dq, da, cta.keys(walk.n_total - 1));
   wgmma_wait<0>();
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
