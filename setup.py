@@ -48,6 +48,7 @@ def _extensions():
     nvcc += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     if "90a" in archs:  # the host launches the wgmma kernels only when their machine code exists
         nvcc.append("-DSPARSEBALANCE_HAS_SM90A")
+        cxx.append("-DSPARSEBALANCE_HAS_SM90A")  # the bindings say so (`auto` prefers them)
     return [
         CUDAExtension(
             "megatron_sparsebalance._C",

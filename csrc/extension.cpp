@@ -20,4 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+#if defined(WITH_CUDA) && defined(SPARSEBALANCE_HAS_SM90A)
+  m.attr("with_sm90a") = true;  // the Hopper (wgmma) kernels are compiled in
+#else
+  m.attr("with_sm90a") = false;
+#endif
 }

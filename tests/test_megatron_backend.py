@@ -82,6 +82,28 @@ def test_explicit_cuda_impl_on_cpu_is_an_error():
         attn(torch.randn(128, 1, 4, 32), torch.randn(128, 1, 2, 32), torch.randn(128, 1, 2, 32), None)
 
 
+@pytest.mark.parametrize("device,sm90a,capability,first", [
+    ("cuda", True, (9, 0), "cuda"),    # Hopper with the wgmma kernels built
+    ("cuda", False, (9, 0), "triton"),  # built without sm_90a: CUDA runs its mma.sync kernels
+    ("cuda", True, (8, 0), "triton"),  # not Hopper
+    ("cpu", True, (9, 0), "triton"),
+])
+def test_auto_order_puts_cuda_first_only_where_its_hopper_kernels_run(monkeypatch, device, sm90a, capability,
+                                                                       first):
+    from megatron_sparsebalance.ops import implementations, native
+
+    monkeypatch.setattr(native, "HAVE_NATIVE_SM90A", sm90a)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    order = implementations.auto_order(torch.device(device))
+    assert order[0] == first and sorted(order) == ["cuda", "torch", "triton"]
+
+
+def test_auto_on_cpu_resolves_to_torch():
+    from megatron_sparsebalance.ops.implementations import resolve_impl
+
+    assert resolve_impl("auto", "cpu") == "torch"
+
+
 def test_gpt_with_sparse_attention_trains_on_cpu():
     torch.manual_seed(0)
     shape = MODEL_PRESETS["tiny"]

@@ -20,6 +20,7 @@ except ImportError as exc:  # not built: `pip install -e .` or `make install` bu
 
 HAVE_NATIVE = _native is not None
 HAVE_NATIVE_CUDA = HAVE_NATIVE and bool(getattr(_native, "with_cuda", False))
+HAVE_NATIVE_SM90A = HAVE_NATIVE_CUDA and bool(getattr(_native, "with_sm90a", False))  # Hopper wgmma kernels
 
 
 def native() -> ModuleType:

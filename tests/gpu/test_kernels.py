@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from megatron_sparsebalance.ops.implementations import attention_function, unavailable_reason
+from megatron_sparsebalance.ops.implementations import attention_function, resolve_impl, unavailable_reason
 from megatron_sparsebalance.ops.layout import BlockLayout
 from megatron_sparsebalance.ops.naive import sparse_attention_naive
 from megatron_sparsebalance.ops.router import block_scores, select_blocks
@@ -273,3 +273,12 @@ def test_eager_path_equals_the_registered_op():
         assert torch.equal(a, b)
     compiled = torch.compile(lambda q, k, v: ta.triton_attention(q, k, v, *args).float().square().sum(), fullgraph=True)
     assert torch.allclose(compiled(q, k, v), eager.float().square().sum(), rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs a Hopper GPU")
+def test_auto_takes_cuda_on_hopper_when_its_wgmma_kernels_are_built():
+    from megatron_sparsebalance.ops import native
+
+    assert native.HAVE_NATIVE_SM90A, "build with MSB_CUDA=1 (MSB_CUDA_ARCH defaults to 90a)"
+    assert resolve_impl("auto", torch.device("cuda")) == "cuda"
