@@ -407,7 +407,6 @@ struct ChunkCopier {
   const T* v;
   int64_t row_stride;  // elements between consecutive tokens' rows
 
-  ChunkCopier() = default;
   __device__ ChunkCopier(const T* k_, const T* v_, int g, int G)
       : k(k_ + g * D + sl.c), v(v_ + g * D + sl.c), row_stride((int64_t)G * D) {}
   // Rows past c.nvalid get zeros, so a masked P times V stays 0.
