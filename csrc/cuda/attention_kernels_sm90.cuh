@@ -428,6 +428,7 @@ struct ChunkCopier {
 template <typename T, int D, int QUERY_TILES, int CH>
 struct QueryCta {
   using Tiles = QueryTiles<T, D, QUERY_TILES, CH>;
+  static_assert(Tiles::FITS, "three chunk stages at least");
   static constexpr int BM = Tiles::BM, STAGES = Tiles::STAGES;
 
   T* qtiles;  // QUERY_TILES tiles of BM rows (Q, then dO)
@@ -461,9 +462,21 @@ struct QueryCta {
   // Whether key column col of a diagonal chunk c is hidden from a row of token tok: past the
   // block's end or after the row's token (every key of an off-diagonal chunk is visible).
   __device__ static bool masked(const Chunk& c, int col, int tok) { return col >= c.nvalid || c.kt0 + col > tok; }
-  __device__ void init_barriers() { init_ws_barriers(full, empty, STAGES, queries_full); }
-  // The producer warpgroup (threads 0..127): the query tiles from `sources`, then every chunk of
-  // the walk, each into the buffer its chunk STAGES earlier has been handed back from.
+  // Called by every thread: the barriers, then the roles. The producer warpgroup copies the
+  // query tiles from `sources` and the walk's chunks and gets false; the consumers get their
+  // registers and true.
+  __device__ bool start(const KvWalk<CH>& w, const T* const (&sources)[QUERY_TILES], const Params& p) {
+    init_ws_barriers(full, empty, STAGES, queries_full);
+    if (threadIdx.x < WG_THREADS) {
+      regs_dec<Tiles::PRODUCER_REGS>();
+      produce(w, sources, p);
+      return false;
+    }
+    regs_inc<Tiles::CONSUMER_REGS>();
+    return true;
+  }
+  // The producer warpgroup (threads 0..127): the query tiles, then every chunk of the walk, each
+  // into the buffer its chunk STAGES earlier has been handed back from.
   __device__ void produce(const KvWalk<CH>& w, const T* const (&sources)[QUERY_TILES], const Params& p) {
 #pragma unroll
     for (int t = 0; t < QUERY_TILES; ++t)
@@ -490,14 +503,15 @@ struct QueryCta {
   __device__ const T* values(int it) const { return Vs + (it % STAGES) * CH * D; }
 };
 
-// O += P V for one chunk: P from registers, V read transposed from its tile. Left in flight.
+// acc += A B for one chunk, A (P or dS) from registers, B (the chunk's V or K tile) read
+// transposed: O += P V in the forward, dQ += dS K in dQ. Left in flight.
 template <typename T, int D, int CH>
-__device__ __forceinline__ void accumulate_pv(float (&o)[1][D / 8][4], const uint32_t (&pa)[1][CH / 16][4],
-                                              const T* Vc) {
-  const uint64_t v_mn = mnmajor_tile<T, CH>(Vc);
+__device__ __forceinline__ void accumulate_chunk(float (&acc)[1][D / 8][4], const uint32_t (&a)[1][CH / 16][4],
+                                                 const T* tile) {
+  const uint64_t b_mn = mnmajor_tile<T, CH>(tile);
   wgmma_fence();
 #pragma unroll
-  for (int k = 0; k < CH / 16; ++k) wgmma_rs_tb<T, D>(o[0], pa[0][k], mnmajor_at<T>(v_mn, 16 * k), true);
+  for (int k = 0; k < CH / 16; ++k) wgmma_rs_tb<T, D>(acc[0], a[0][k], mnmajor_at<T>(b_mn, 16 * k), true);
   wgmma_commit();
 }
 
@@ -506,20 +520,12 @@ template <typename T, int D, int CH>
 __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cta = QueryCta<T, D, 1, CH>;
-  using Tiles = typename Cta::Tiles;
-  static_assert(Tiles::FITS, "three chunk stages at least");
   constexpr int BM = Cta::BM, NJ = CH / 8;
   extern __shared__ unsigned char smem_raw[];
   Cta cta(smem_raw, p);
   if (cta.empty_tile()) return;
   const KvWalk<CH> walk = cta.walk(p);
-  cta.init_barriers();
-  if (threadIdx.x < WG_THREADS) {
-    regs_dec<Tiles::PRODUCER_REGS>();
-    cta.produce(walk, {static_cast<const T*>(p.q)}, p);
-    return;
-  }
-  regs_inc<Tiles::CONSUMER_REGS>();
+  if (!cta.start(walk, {static_cast<const T*>(p.q)}, p)) return;
   const int wg = threadIdx.x / WG_THREADS - 1, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
   const uint64_t q_desc = kmajor_tile<BM>(cta.qtiles);
   const int wrow = cta.row0 + wg * WG_ROWS + warp * 16 + lane / 4;  // this lane's rows: wrow + 8 h
@@ -551,7 +557,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
     for (int k = 0; k < D; k += 16)
       wgmma_ss<T, CH>(s[0], kmajor_at<T, BM>(q_desc, wg * WG_ROWS, k), kmajor_at<T, CH>(k_desc, 0, k), k > 0);
     wgmma_commit();
-    accumulate_pv<T, D, CH>(o, pa, cta.values(max(it - 1, 0)));
+    accumulate_chunk<T, D, CH>(o, pa, cta.values(max(it - 1, 0)));
     wgmma_wait<1>();  // S done; the previous chunk's P V runs on
     // Scores stay unscaled until the exponential folds the scale in: exp2(s scale - m), where m
     // is the running maximum in scaled units.
@@ -595,7 +601,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
   int it = 0;
   for (; it < walk.n_off; ++it) step(it, std::false_type{});
   for (; it < walk.n_total; ++it) step(it, std::true_type{});
-  accumulate_pv<T, D, CH>(o, pa, cta.values(walk.n_total - 1));  // walks hold at least the diagonal chunk
+  accumulate_chunk<T, D, CH>(o, pa, cta.values(walk.n_total - 1));  // walks hold at least the diagonal chunk
   wgmma_wait<0>();
 
 #pragma unroll
@@ -615,36 +621,16 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
 #endif
 }
 
-// dQ += dS K for one chunk: dS from registers, K read transposed from its tile. Left in flight.
-template <typename T, int D, int CH>
-__device__ __forceinline__ void accumulate_dsk(float (&dq)[1][D / 8][4], const uint32_t (&da)[1][CH / 16][4],
-                                               const T* Kc) {
-  const uint64_t k_mn = mnmajor_tile<T, CH>(Kc);
-  wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < CH / 16; ++k) wgmma_rs_tb<T, D>(dq[0], da[0][k], mnmajor_at<T>(k_mn, 16 * k), true);
-  wgmma_commit();
-}
-
-
 template <typename T, int D, int CH>
 __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cta = QueryCta<T, D, 2, CH>;
-  using Tiles = typename Cta::Tiles;
-  static_assert(Tiles::FITS, "three chunk stages at least");
   constexpr int BM = Cta::BM, NJ = CH / 8;
   extern __shared__ unsigned char smem_raw[];
   Cta cta(smem_raw, p);
   if (cta.empty_tile()) return;
   const KvWalk<CH> walk = cta.walk(p);
-  cta.init_barriers();
-  if (threadIdx.x < WG_THREADS) {
-    regs_dec<Tiles::PRODUCER_REGS>();
-    cta.produce(walk, {static_cast<const T*>(p.q), static_cast<const T*>(p.dout)}, p);
-    return;
-  }
-  regs_inc<Tiles::CONSUMER_REGS>();
+  if (!cta.start(walk, {static_cast<const T*>(p.q), static_cast<const T*>(p.dout)}, p)) return;
   const int wg = threadIdx.x / WG_THREADS - 1, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
   const uint64_t q_desc = kmajor_tile<BM>(cta.qtiles), do_desc = kmajor_tile<BM>(cta.qtiles + BM * D);
   const int wrow = cta.row0 + wg * WG_ROWS + warp * 16 + lane / 4;
@@ -680,7 +666,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
     for (int k = 0; k < D; k += 16)
       wgmma_ss<T, CH>(dp[0], kmajor_at<T, BM>(do_desc, wg * WG_ROWS, k), kmajor_at<T, CH>(v_desc, 0, k), k > 0);
     wgmma_commit();
-    accumulate_dsk<T, D, CH>(dq, da, cta.keys(max(it - 1, 0)));
+    accumulate_chunk<T, D, CH>(dq, da, cta.keys(max(it - 1, 0)));
     wgmma_wait<2>();  // S done; dP and the previous chunk's dS K run on
     if constexpr (decltype(diag)::value) {
       const Chunk cur = walk.chunk(p, it);
@@ -706,7 +692,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
   int it = 0;
   for (; it < walk.n_off; ++it) step(it, std::false_type{});
   for (; it < walk.n_total; ++it) step(it, std::true_type{});
-  accumulate_dsk<T, D, CH>(dq, da, cta.keys(walk.n_total - 1));
+  accumulate_chunk<T, D, CH>(dq, da, cta.keys(walk.n_total - 1));
   wgmma_wait<0>();
 
 #pragma unroll
