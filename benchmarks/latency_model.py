@@ -16,12 +16,20 @@
 4. Report median and p90 of ``|measured - predicted| / measured`` and the cost of ``predict``;
    write ``latency_model_<gpu>.json``, the held-out records and a PNG (table; predicted vs measured).
 
+With ``--rounds R`` the profile makes R passes over the grid and the held-out micro-batches are
+timed in R rounds, round r right after pass r; after the first, passes and rounds repeat only
+the host-bound points (their time is the CPU's and drifts from one moment to the next; the GPU's
+does not). Each time is the median of its passes, so table and held-out times cover the same
+stretch of the run. The first pass and the first round alone are scored too
+(``profiled_first_pass``): what a table and a measurement taken at single moments give.
+
 Run (H200, Qwen2.5-0.5B, PP=4 -> 6 layers per stage):
   python -m benchmarks.latency_model --model qwen2.5-0.5b --layers-per-stage 6 --out-dir "$OUT"
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
@@ -40,6 +48,7 @@ from megatron_sparsebalance.balance.latency import (
     device_name,
 )
 from megatron_sparsebalance.ops.implementations import IMPLEMENTATIONS, unavailable_reason
+from megatron_sparsebalance.training.manual_gc import ManualGC
 from megatron_sparsebalance.training.model import MODEL_PRESETS
 
 try:
@@ -108,6 +117,60 @@ def heldout_batches(rng: random.Random, n: int, min_tokens: int, max_tokens: int
         lengths[0] += max(0, total - sum(lengths))
         out.append((lengths, k))
     return out
+
+
+class HeldoutRounds:
+    """The held-out micro-batches' times, measured in rounds: the first round times every one,
+    each later round the host-bound ones again (issuing them took at least ``host_bound`` of
+    their wall time: their time is the CPU's and drifts; a GPU-bound time does not). Rounds run
+    between the profile's passes (``tools/profile_latency.profile(after_pass=...)``), so the
+    table and the held-out times are medians over the same stretch of the run.
+
+    ``measure_once(n, lengths, k)`` returns ``(ms, host_fraction)`` or None (out of memory).
+    When ``out_of_time()`` turns true, the first round drops the micro-batches it has not
+    reached and later rounds measure nothing more (each keeps the rounds it has)."""
+
+    def __init__(self, batches, measure_once, out_of_time, host_bound: float):
+        self.batches, self.measure_once, self.out_of_time = batches, measure_once, out_of_time
+        self.host_bound = host_bound
+        self.times: list = [[] for _ in batches]
+        self.repeat: list = [False] * len(batches)
+        self.stopped = False
+
+    def run(self, r: int) -> None:
+        """Round ``r`` (0-based)."""
+        if self.stopped:
+            return
+        gc.collect()  # the caller keeps the collector off while timing; one collection per round
+        todo = [n for n in range(len(self.batches)) if r == 0 or self.repeat[n]]
+        for n in todo:
+            if self.out_of_time():
+                self.stopped = True
+                print(f"time budget reached in round {r + 1}: {sum(1 for t in self.times if len(t) > r)} of "
+                      f"{len(self.batches)} held-out micro-batches measured {r + 1} times", flush=True)
+                return
+            lengths, k = self.batches[n]
+            got = self.measure_once(n + 1, lengths, k)
+            if got is None:
+                continue
+            ms, host_fraction = got
+            self.times[n].append(ms)
+            if r == 0:
+                self.repeat[n] = host_fraction >= self.host_bound
+        print(f"held-out round {r + 1}: {len(todo)} micro-batches timed", flush=True)
+
+    def results(self) -> list:
+        """Per micro-batch: its times, one per round, or None where it was never measured."""
+        return [t or None for t in self.times]
+
+
+def first_pass_table(table: ProfiledLatencyModel, profile_info: dict):
+    """The table of the profile's first pass alone (``tools/profile_latency.py --rounds``), or None."""
+    first = (profile_info or {}).get("first_pass")
+    if first is None:
+        return None
+    return ProfiledLatencyModel(table.lengths, table.budgets, first["total_ms"], first["attention_ms"],
+                                table.block_size, metadata=table.metadata)
 
 
 def check_impl(impl: str, device: torch.device) -> str | None:
@@ -210,13 +273,18 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--max-budget", type=int, default=64)
     p.add_argument("--heldout-iters", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="profile the grid in this many passes and measure the held-out micro-batches in this many "
+                        "rounds, each point's time the median of its passes (a short pack's time drifts with the "
+                        "host's speed: docs/LATENCY.md); the first pass alone is scored too")
     p.add_argument("--min-time-s", type=float, default=0.3,
                    help="time every grid point and held-out micro-batch past its iterations until this many "
                         "seconds are measured (tools/profile_latency.py --min-time-s)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop measuring held-out micro-batches after this many seconds of the whole run")
     p.add_argument("--profile-time-budget-s", type=float, default=None,
-                   help="stop profiling longer lengths after this many seconds (the table then extrapolates)")
+                   help="stop profiling longer lengths after this many seconds (the table then extrapolates), "
+                        "and start no further --rounds pass")
     p.add_argument("--seed", type=int, default=20260)
     p.add_argument("--replay", default=None, metavar="DIR",
                    help="re-predict the held-out measurements recorded in DIR (latency_table_<tag>.json, "
@@ -228,6 +296,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     if args.replay:
         return replay(args)
     t_start = time.perf_counter()
@@ -252,16 +322,6 @@ def main(argv=None) -> dict:
     print(f"{args.model}, {args.layers_per_stage} layers per stage, block {args.moba_block_size}, attention {impl}, "
           f"{profiler.dtype}, on {gpu}", flush=True)
 
-    if args.profile:
-        table = ProfiledLatencyModel.load(args.profile, expect=profiler.metadata(args.pipeline_model_parallel_size))
-        print(f"loaded {args.profile}")
-    else:
-        table = tool.profile(profiler, args.lengths, args.budgets, args.warmup, args.iters,
-                             pipeline_parallel_size=args.pipeline_model_parallel_size,
-                             time_budget_s=args.profile_time_budget_s)
-        tool.save_profile(table, os.path.join(args.out_dir, f"latency_table_{tag}.json"))
-    t_profiled = time.perf_counter()
-
     analytic = AnalyticLatencyModel(
         profiler.shape, args.layers_per_stage, block_size=args.moba_block_size,
         hardware="h200" if device.type == "cuda" else "cpu", dtype_bytes=2 if profiler.bf16 else 4,
@@ -269,17 +329,36 @@ def main(argv=None) -> dict:
     rng = random.Random(args.seed)
     batches = heldout_batches(rng, args.heldout, args.min_tokens, args.max_tokens, args.max_budget, args.moba_block_size)
 
-    def measure(n, lengths, k):
-        if args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
-            raise StopIteration
+    def measure_once(n, lengths, k):
         try:
-            return profiler.measure(lengths, k, warmup=1, iters=args.heldout_iters)
+            ms = profiler.measure(lengths, k, warmup=1, iters=args.heldout_iters)
+            return ms, profiler.last_host_fraction
         except torch.cuda.OutOfMemoryError:
             print(f"[{n:3d}/{len(batches)}] {lengths} k={k}: out of GPU memory, skipped")
+            gc.collect()  # the round keeps the collector off; free what only it can
             torch.cuda.empty_cache()
             return None
 
-    records, result = evaluate(table, analytic, batches, measure)
+    def out_of_time():
+        return args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s
+
+    heldout = HeldoutRounds(batches, measure_once, out_of_time, tool.HOST_BOUND_FRACTION)
+    if args.profile:
+        table = ProfiledLatencyModel.load(args.profile, expect=profiler.metadata(args.pipeline_model_parallel_size))
+        print(f"loaded {args.profile}")
+        with ManualGC(True, 0):
+            for r in range(args.rounds):
+                heldout.run(r)
+    else:
+        # each held-out round right after the profile's pass of the same number
+        table = tool.profile(profiler, args.lengths, args.budgets, args.warmup, args.iters,
+                             pipeline_parallel_size=args.pipeline_model_parallel_size,
+                             time_budget_s=args.profile_time_budget_s, rounds=args.rounds, after_pass=heldout.run)
+        tool.save_profile(table, os.path.join(args.out_dir, f"latency_table_{tag}.json"))
+    first_pass = first_pass_table(table, getattr(table, "profile_info", {}))
+
+    rounds_ms = heldout.results()
+    records, result = evaluate(table, analytic, batches, lambda n, lengths, k: rounds_ms[n - 1], first_pass)
     result["gpu"] = gpu
     result["setup"] = {
         "model": args.model, "layers_per_stage": args.layers_per_stage, "stage": "middle (no embedding, no output layer)",
@@ -288,18 +367,22 @@ def main(argv=None) -> dict:
         "grid": {"lengths": table.lengths, "budgets": table.budgets, "warmup": args.warmup, "iters": args.iters},
         "heldout": {"tokens": [args.min_tokens, args.max_tokens], "budgets": [1, args.max_budget],
                     "iters": args.heldout_iters, "seed": args.seed},
-        "min_time_s": args.min_time_s,
-        "seconds": {"profile": round(t_profiled - t_start, 1), "total": round(time.perf_counter() - t_start, 1)},
+        "min_time_s": args.min_time_s, "rounds": args.rounds,
+        "rounds_made": (getattr(table, "profile_info", None) or {}).get("rounds", args.rounds),
+        "seconds": {"total": round(time.perf_counter() - t_start, 1)},
         "command": "python -m benchmarks.latency_model " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     write_results(args.out_dir, tag, table, records, result)
     return result
 
 
-def evaluate(table: ProfiledLatencyModel, analytic: AnalyticLatencyModel, batches, measure):
+def evaluate(table: ProfiledLatencyModel, analytic: AnalyticLatencyModel, batches, measure, first_pass=None):
     """Predict every held-out ``(lengths, k)`` with every model, then get its time from
-    ``measure(n, lengths, k)`` (None: skip it; StopIteration: stop). Calibrated models predict
-    before they observe, as in training. Returns the records and the summary."""
+    ``measure(n, lengths, k)``: ms, or a list of ms from several rounds (their median is its time),
+    or None to skip it, or StopIteration to stop. Calibrated models predict before they observe,
+    as in training. Given the profile's ``first_pass`` table, the first pass is also scored against
+    each micro-batch's first round alone (``profiled_first_pass``): both at single moments.
+    Returns the records and the summary."""
     grid = [([L], k, table.total_ms[j][i]) for j, L in enumerate(table.lengths) for i, k in enumerate(table.budgets)]
     length_only = AffineModel.fit(lambda lengths, k: float(sum(lengths)), grid)
     flop_only = AffineModel.fit(analytic.flops, grid)
@@ -310,19 +393,33 @@ def evaluate(table: ProfiledLatencyModel, analytic: AnalyticLatencyModel, batche
     for n, (lengths, k) in enumerate(batches, 1):
         pred = {name: m.predict(lengths, k) for name, m in {**models, **calibrated}.items()}
         try:
-            ms = measure(n, lengths, k)
+            got = measure(n, lengths, k)
         except StopIteration:
             print(f"time budget reached: {len(records)} of {len(batches)} held-out micro-batches measured")
             break
-        if ms is None:
+        if got is None:
             continue
+        rounds = list(got) if isinstance(got, (list, tuple)) else [got]
+        ms = statistics.median(rounds)
         for m in calibrated.values():
             m.observe(lengths, k, ms)
-        records.append({"lengths": list(lengths), "k": k, "measured_ms": ms, "predicted_ms": pred})
-        print(f"[{n:3d}/{len(batches)}] {len(lengths)} seq, {sum(lengths):6d} tokens, k={k:2d}: measured {ms:8.2f} ms, "
+        if first_pass is not None:
+            pred["profiled_first_pass"] = first_pass.predict(lengths, k)
+        record = {"lengths": list(lengths), "k": k, "measured_ms": ms, "predicted_ms": pred}
+        if len(rounds) > 1:
+            record["measured_rounds_ms"] = rounds
+        records.append(record)
+        print(f"[{n:3d}/{len(batches)}] {len(lengths)} seq, {sum(lengths):6d} tokens, k={k:2d}: measured {ms:8.2f} ms"
+              + (f" (rounds {min(rounds):.1f}-{max(rounds):.1f})" if len(rounds) > 1 else "") + ", "
               + ", ".join(f"{name} {v:8.2f}" for name, v in pred.items()), flush=True)
     meas = [r["measured_ms"] for r in records]
     summary = {name: summarize([r["predicted_ms"][name] for r in records], meas) for name in [*models, *calibrated]}
+    # single moments: the first pass's table against each micro-batch's first round (a GPU-bound
+    # micro-batch has only that one)
+    if first_pass is not None and records:
+        summary["profiled_first_pass"] = summarize(
+            [r["predicted_ms"]["profiled_first_pass"] for r in records],
+            [r.get("measured_rounds_ms", [r["measured_ms"]])[0] for r in records])
     single = [r for r in records if len(r["lengths"]) == 1]
     packed = [r for r in records if len(r["lengths"]) > 1]
     cold_us, warm_us = predict_cost_us(table, [(r["lengths"], r["k"]) for r in records])
@@ -358,13 +455,16 @@ def replay(args) -> dict:
         recorded = json.load(f)
     table_path = os.path.join(args.replay, "latency_table_" + (args.tag or "h200") + ".json")
     table = ProfiledLatencyModel.load(table_path)
+    with open(table_path) as f:
+        first_pass = first_pass_table(table, json.load(f).get("profile"))
     meta = table.metadata
     analytic = AnalyticLatencyModel(meta["model_shape"], meta["layers_per_stage"], block_size=meta["block_size"],
                                     hardware="h200" if "H200" in meta["gpu"] else "cpu",
                                     dtype_bytes=2 if meta["dtype"] in ("bfloat16", "float16") else 4)
-    times = {(tuple(r["lengths"]), r["k"], i): r["measured_ms"] for i, r in enumerate(recorded)}
+    times = {(tuple(r["lengths"]), r["k"], i): r.get("measured_rounds_ms", r["measured_ms"]) for i, r in enumerate(recorded)}
     batches = [(r["lengths"], r["k"]) for r in recorded]
-    records, result = evaluate(table, analytic, batches, lambda n, lengths, k: times[(tuple(lengths), k, n - 1)])
+    records, result = evaluate(table, analytic, batches, lambda n, lengths, k: times[(tuple(lengths), k, n - 1)],
+                               first_pass)
     result["gpu"] = before["gpu"]
     result["setup"] = before.get("setup", {})
     result["evaluation"] = {

@@ -341,6 +341,112 @@ def test_timing_runs_past_iters_until_min_time_and_stops_at_the_cap():
         assert ms >= seconds * 1e3
 
 
+class ScriptedStage:
+    """``profile()``'s view of a StageProfiler, with known times: every time of pass ``r`` is the
+    truth times ``drift[r]`` (the host's speed at that moment). A pass starts with the fixed-cost
+    measurement on a one-block sequence, which is how the script knows which pass it is in."""
+
+    def __init__(self, drift, gpu_bound=()):
+        import torch
+
+        self.device, self.block_size, self.layers_per_stage, self.min_time_s = torch.device("cpu"), 64, 2, 0.0
+        self.drift, self.pass_index, self.calls = drift, -1, []
+        self.gpu_bound, self.last_host_fraction = set(gpu_bound), 1.0
+
+    def _scale(self):
+        return self.drift[max(self.pass_index, 0)]
+
+    def measure(self, lengths, k, warmup=2, iters=5):
+        self.calls.append((self.pass_index, lengths[0], k))
+        self.last_host_fraction = 0.2 if (lengths[0], k) in self.gpu_bound else 0.9
+        return (10.0 + lengths[0] / 64 * k) * self._scale()
+
+    def measure_attention(self, lengths, k, warmup=2, iters=5):
+        if lengths == [self.block_size]:
+            self.pass_index += 1
+        return (1.0 + 0.5 * lengths[0] / 64 * k * (lengths != [self.block_size])) * self._scale()
+
+    def metadata(self, pipeline_parallel_size=1, tensor_parallel_size=1):
+        return {}
+
+
+def test_profile_rounds_keep_each_host_bound_points_median_over_passes():
+    """Passes over the grid, each host-bound point the median of its passes: one slow or fast
+    moment does not enter the table. A GPU-bound point is timed once. The first pass alone is
+    kept for comparison, and ``after_pass`` runs after every pass."""
+    tool = _load_tool()
+    stage = ScriptedStage(drift=[1.3, 1.0, 0.9], gpu_bound={(256, 8)})
+    lengths, budgets = [128, 256], [1, 2, 8]
+    after = []
+    model = tool.profile(stage, lengths, budgets, warmup=1, iters=1, log=lambda *a, **k: None, rounds=3,
+                         after_pass=lambda r: after.append((r, len(stage.calls))))
+    # two blocks are dense from k=2 on: k=8 of the 128-token row is copied from k=2, not measured
+    measured = [(128, 1), (128, 2), (256, 1), (256, 2), (256, 8)]
+    timed = [c for c in stage.calls if c[0] >= 0]
+    assert timed == [(0, L, k) for L, k in measured] + [(r, L, k) for r in (1, 2) for L, k in measured[:-1]]
+    assert after == [(0, 6), (1, 10), (2, 14)]  # the untimed first call, then each pass's points
+    for j, L in enumerate(lengths):
+        for i, k in enumerate(budgets):
+            kk = k if L == 256 else min(k, 2)
+            drift = 1.3 if (L, kk) == (256, 8) else 1.0  # the GPU-bound point: its one (first) pass
+            assert model.total_ms[j][i] == pytest.approx(drift * (10.0 + L / 64 * kk))  # the median pass
+            assert model.attention_ms[j][i] == pytest.approx(drift * 2 * 0.5 * L / 64 * kk)
+            first = model.profile_info["first_pass"]
+            assert first["total_ms"][j][i] == pytest.approx(1.3 * (10.0 + L / 64 * kk))
+    assert model.profile_info["rounds"] == 3 and len(model.profile_info["pass_seconds"]) == 3
+    assert model.profile_info["host_bound_points"] == 4
+    with pytest.raises(ValueError, match="rounds"):
+        tool.profile(ScriptedStage([1.0]), lengths, budgets, rounds=0)
+
+
+def test_heldout_rounds_repeat_host_bound_batches_and_stop_when_out_of_time():
+    from benchmarks.latency_model import HeldoutRounds
+
+    calls, clock = [], {"t": 0}
+
+    def measure_once(n, lengths, k):
+        calls.append(n)
+        clock["t"] += 1
+        if n == 2:
+            return None  # out of memory
+        return 10.0 * n + len(calls), (0.3 if n == 4 else 0.9)  # batch 4 is GPU-bound
+
+    batches = [([100], 1), ([200], 1), ([300], 2), ([40000], 8)]
+    rounds = HeldoutRounds(batches, measure_once, out_of_time=lambda: clock["t"] >= 7, host_bound=0.5)
+    for r in range(4):
+        rounds.run(r)
+    # round 1: all four; round 2: the host-bound 1 and 3; round 3: out of time after batch 1
+    assert calls == [1, 2, 3, 4, 1, 3, 1]
+    assert rounds.results() == [[11.0, 15.0, 17.0], None, [33.0, 36.0], [44.0]]
+    assert rounds.stopped
+
+
+def test_evaluate_scores_the_median_of_rounds_and_the_first_pass_alone():
+    """The median of a micro-batch's rounds is scored against the table of medians, and the first
+    round against the first pass's table: a host at 1.2x in the first pass and round is exact in
+    both comparisons, and off by 20% if the two were crossed."""
+    from benchmarks.latency_model import evaluate
+
+    table = synthetic_table()
+    fast = ProfiledLatencyModel(LENGTHS, BUDGETS, [[1.2 * v for v in row] for row in table.total_ms],
+                                [[1.2 * v for v in row] for row in table.attention_ms], B)
+    batches = [([L], k) for L in LENGTHS for k in BUDGETS]
+    records, result = evaluate(table, analytic(), batches,
+                               lambda n, lengths, k: [1.2 * truth(lengths, k), truth(lengths, k), 0.9 * truth(lengths, k)],
+                               first_pass=fast)
+    assert len(records) == len(batches)
+    assert all(r["measured_ms"] == pytest.approx(truth(r["lengths"], r["k"])) for r in records)
+    assert all(len(r["measured_rounds_ms"]) == 3 for r in records)
+    assert result["models"]["profiled"]["max_rel_err"] < 1e-9
+    assert result["models"]["profiled_first_pass"]["max_rel_err"] < 1e-9
+    # a single measurement (a GPU-bound micro-batch: one round) is its own first round
+    _, plain = evaluate(table, analytic(), batches, lambda n, lengths, k: truth(lengths, k), first_pass=fast)
+    assert plain["models"]["profiled"]["max_rel_err"] < 1e-9
+    assert plain["models"]["profiled_first_pass"]["median_rel_err"] == pytest.approx(0.2)
+    _, no_first = evaluate(table, analytic(), batches, lambda n, lengths, k: truth(lengths, k))
+    assert "profiled_first_pass" not in no_first["models"]
+
+
 def test_cuda_kernel_version_follows_the_compiled_sources(tmp_path, monkeypatch):
     """The CUDA implementation's version hashes the .cu/.cuh sources compiled into ``_C``, not
     only its Python launcher: a kernel edit must invalidate tables profiled with the old kernel."""

@@ -115,3 +115,15 @@ def test_manual_gc_turns_collection_off_and_restores_it():
     assert gc.isenabled()
     with ManualGC(False, 0):
         assert gc.isenabled()
+
+
+def test_nested_manual_gc_neither_collects_nor_turns_collection_back_on(monkeypatch):
+    """The profiler times every point under its own scope inside one scope per pass: the inner
+    ones must not pay a full collection each, nor end the outer one's."""
+    collections = []
+    with ManualGC(True, 0):
+        monkeypatch.setattr(gc, "collect", lambda *a: collections.append(1) or 0)
+        with ManualGC(True, 0):
+            assert not gc.isenabled()
+        assert not gc.isenabled() and collections == []
+    assert gc.isenabled()

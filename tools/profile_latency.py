@@ -24,11 +24,12 @@ Example (H200, Qwen2.5-0.5B with PP=4: 6 layers per stage):
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -54,6 +55,9 @@ computation: the tool measures one of them and copies it, which saves most of th
 """
 
 MAX_TIMED_ITERS = 50  # per point, whatever --min-time-s asks
+# A point is host-bound when issuing it takes at least this share of its wall time: its time is
+# the CPU's, which drifts between moments (docs/LATENCY.md); the GPU's time does not (0.4%).
+HOST_BOUND_FRACTION = 0.5
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DEFAULT_BUDGETS = (1, 4, 8, 16, 24, 32, 48, 64)
@@ -90,6 +94,7 @@ class StageProfiler:
         recompute: Optional[RecomputeSettings] = None,
     ):
         self.min_time_s = min_time_s
+        self.last_host_fraction = 1.0  # of the last timed point (see _timed)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.bf16 = (self.device.type == "cuda") if bf16 is None else bf16
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
@@ -126,27 +131,32 @@ class StageProfiler:
         """Median ms of ``step()`` after ``warmup`` untimed calls: ``iters`` timed calls, more while
         under ``min_time_s`` of measured time.
 
-        The garbage collector is off while timing (``--manual-gc``'s setting in training): an
+        Sets ``last_host_fraction``: the share of the wall time the host spent issuing the step
+        (1.0 on a CPU). The garbage collector is off while timing (``--manual-gc``'s setting in training): an
         automatic collection lands in a random call and adds tens of ms of host time to it.
         """
         for _ in range(warmup):
             step()
         self._sync()
-        times = []
+        times, issue = [], []
         with ManualGC(True, 0):
             while len(times) < iters or (sum(times) < self.min_time_s * 1e3 and len(times) < MAX_TIMED_ITERS):
+                t0 = time.perf_counter()
                 if self.device.type == "cuda":
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
                     step()
                     end.record()
+                    issue.append((time.perf_counter() - t0) * 1e3)
                     end.synchronize()
                     times.append(start.elapsed_time(end))
                 else:
-                    t0 = time.perf_counter()
                     step()
                     times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+                    issue.append(times[-1])
+        ms = statistics.median(times)
+        self.last_host_fraction = min(1.0, statistics.median(issue) / ms) if ms > 0 else 1.0
+        return ms
 
     def _packed_params(self, lengths: Sequence[int]):
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
@@ -230,73 +240,143 @@ def profile(
     tensor_parallel_size: int = 1,
     log=print,
     time_budget_s: Optional[float] = None,
+    rounds: int = 1,
+    after_pass: Optional[Callable[[int], None]] = None,
 ) -> ProfiledLatencyModel:
     """Measure the grid and return the table as a model (its ``profile`` info in ``model.profile_info``).
 
     Lengths are measured shortest first. A length that runs out of GPU memory, or any length
     after ``time_budget_s`` has passed, is dropped with all longer ones (said in the log and in
-    ``profile_info``): the table then extrapolates there.
+    ``profile_info``): the table then extrapolates there. No later pass starts after
+    ``time_budget_s`` either.
+
+    ``rounds`` > 1 times the host-bound points again in that many passes over the grid and keeps
+    the median of each point's passes. A host-bound point (a short pack: issuing it takes at least
+    :data:`HOST_BOUND_FRACTION` of its wall time, so its time is the CPU's) drifts by 10-30%
+    between moments seconds to minutes apart (docs/LATENCY.md); timed at one moment, each such
+    point of the table would carry its moment's drift. A GPU-bound point does not drift (0.4%
+    between rounds) and is timed once. The first pass decides which lengths are kept (time
+    budget, memory) and which points are host-bound; its own figures stay in ``profile_info``.
+    ``after_pass(r)`` runs after pass ``r`` (0-based): a benchmark measures its held-out
+    micro-batches there, so that they and the table see the same moments.
     """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     lengths, budgets = sorted(set(lengths)), sorted(set(budgets))
     B, nl = profiler.block_size, profiler.layers_per_stage
     t_start = time.perf_counter()
-    # The attention's fixed cost per call (launches, layout, router set-up): a one-block sequence
-    # computes one block pair, so its time is almost all fixed cost. Paid once per pack.
-    # The very first forward+backward pays one-off costs (allocator growth, lazy inits, kernel
-    # compiles for the dtype) that no later micro-batch pays: run it before anything is timed.
-    profiler.measure([lengths[0]], budgets[-1], warmup=1, iters=1)
-    attn_fixed = profiler.measure_attention([B], budgets[0], warmup, iters)
-    log(f"attention fixed cost per layer: {attn_fixed:.3f} ms")
-    total = [[0.0] * len(budgets) for _ in lengths]
-    attention = [[0.0] * len(budgets) for _ in lengths]
     points = [(j, i) for j in range(len(lengths)) for i in range(len(budgets))]
+    # k >= the blocks of the sequence: the same (dense) computation as the previous budget, so
+    # the point is copied from there instead of measured
+    copied = {(j, i) for j, i in points if i > 0 and budgets[i - 1] >= -(-lengths[j] // B)}
     # cost weight of a point, to show an honest ETA (long sequences dominate)
-    weights = {p: lengths[p[0]] * (1 + min(budgets[p[1]], lengths[p[0]] / B) * B / 4096) for p in points}
-    done_weight, all_weight = 0.0, sum(weights.values())
+    weights = {p: 0.0 if p in copied else lengths[p[0]] * (1 + min(budgets[p[1]], lengths[p[0]] / B) * B / 4096)
+               for p in points}
+    # per pass: {point: (stage ms, attention ms of the stage's layers without the fixed cost)}
+    passes: list = []
+    attn_fixed_passes: list = []
+    host_bound: set = set()
     dropped = None
-    for n, (j, i) in enumerate(points, 1):
-        L, k = lengths[j], budgets[i]
-        if i == 0 and time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
-            dropped = (j, f"time budget of {time_budget_s:.0f} s spent")
-            break
-        blocks = -(-L // B)
-        if i > 0 and budgets[i - 1] >= blocks:
-            # k >= blocks of the sequence: the same (dense) computation as the previous budget
-            total[j][i], attention[j][i] = total[j][i - 1], attention[j][i - 1]
-            src = "copied"
-        else:
-            try:
-                total[j][i] = profiler.measure([L], k, warmup, iters)
-                a = profiler.measure_attention([L], k, warmup, iters)
-            except torch.cuda.OutOfMemoryError:
-                dropped = (j, f"out of GPU memory at L={L}, k={k}")
+    # One collection per pass instead of one per point (the nested ManualGC scopes of _timed are no-ops).
+    with ManualGC(True, 0):
+        # The very first forward+backward pays one-off costs (allocator growth, lazy inits, kernel
+        # compiles for the dtype) that no later micro-batch pays: run it before anything is timed.
+        profiler.measure([lengths[0]], budgets[-1], warmup=1, iters=1)
+        for r in range(rounds):
+            if r > 0 and time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
+                log(f"time budget of {time_budget_s:.0f} s spent: {r} of {rounds} passes made", flush=True)
                 break
-            attention[j][i] = max(0.0, nl * (a - attn_fixed))
-            src = "measured"
-        done_weight += weights[(j, i)]
-        elapsed = time.perf_counter() - t_start
-        eta = elapsed * (all_weight - done_weight) / max(done_weight, 1e-9)
-        log(f"[{n:3d}/{len(points)}] L={L:6d} k={k:3d}: stage {total[j][i]:9.3f} ms, attention "
-            f"{attention[j][i]:9.3f} ms ({src}); elapsed {elapsed:6.1f} s, eta {eta:6.1f} s", flush=True)
+            gc.collect()
+            # The attention's fixed cost per call (launches, layout, router set-up): a one-block
+            # sequence computes one block pair, so its time is almost all fixed cost. Paid once per pack.
+            attn_fixed = profiler.measure_attention([B], budgets[0], warmup, iters)
+            attn_fixed_passes.append(attn_fixed)
+            label = f"pass {r + 1}/{rounds}: " if rounds > 1 else ""
+            log(f"{label}attention fixed cost per layer: {attn_fixed:.3f} ms")
+            measured: dict = {}
+            if r == 0:
+                todo = [p for p in points if p not in copied]
+            else:
+                todo = [p for p in points if p in host_bound and (dropped is None or p[0] < dropped[0])]
+            all_weight = sum(weights[p] for p in todo)
+            done_weight, t_pass = 0.0, time.perf_counter()
+            for n, (j, i) in enumerate(todo, 1):
+                L, k = lengths[j], budgets[i]
+                if r == 0 and i == 0 and time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
+                    dropped = (j, f"time budget of {time_budget_s:.0f} s spent")
+                    break
+                try:
+                    total = profiler.measure([L], k, warmup if r == 0 else 1, iters)
+                    if r == 0 and profiler.last_host_fraction >= HOST_BOUND_FRACTION:
+                        host_bound.add((j, i))
+                    a = profiler.measure_attention([L], k, warmup if r == 0 else 1, iters)
+                except torch.cuda.OutOfMemoryError:
+                    if r > 0:  # fitted in the first pass: a fragmented allocator, not the point's size
+                        gc.collect()  # the pass keeps the collector off; free what only it can
+                        torch.cuda.empty_cache()
+                        log(f"{label}L={L} k={k}: out of GPU memory, this pass skips it", flush=True)
+                        continue
+                    dropped = (j, f"out of GPU memory at L={L}, k={k}")
+                    break
+                measured[(j, i)] = (total, max(0.0, nl * (a - attn_fixed)))
+                done_weight += weights[(j, i)]
+                elapsed = time.perf_counter() - t_start
+                pass_s = time.perf_counter() - t_pass
+                # the first pass cannot know how many points the later ones repeat: its ETA is its own
+                eta = pass_s * (all_weight - done_weight) / max(done_weight, 1e-9)
+                if r > 0:
+                    eta += (rounds - 1 - r) * pass_s * all_weight / max(done_weight, 1e-9)
+                bound = "host" if (j, i) in host_bound else "GPU"
+                log(f"{label}[{n:3d}/{len(todo)}] L={L:6d} k={k:3d}: stage {total:9.3f} ms ({bound}-bound), attention "
+                    f"{measured[(j, i)][1]:9.3f} ms; elapsed {elapsed:6.1f} s, "
+                    f"eta {eta:6.1f} s{' (this pass)' if r == 0 and rounds > 1 else ''}", flush=True)
+            passes.append({"points": measured, "seconds": time.perf_counter() - t_pass})
+            if r == 0 and dropped is not None:
+                j, why = dropped
+                if j == 0:
+                    raise RuntimeError(f"nothing profiled: {why}")
+                log(f"{why}: dropping lengths {lengths[j:]}; the table extrapolates beyond {lengths[j - 1]}", flush=True)
+                if profiler.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            if after_pass is not None:
+                after_pass(r)
     if dropped is not None:
-        j, why = dropped
-        if j == 0:
-            raise RuntimeError(f"nothing profiled: {why}")
-        log(f"{why}: dropping lengths {lengths[j:]}; the table extrapolates beyond {lengths[j - 1]}", flush=True)
-        lengths, total, attention = lengths[:j], total[:j], attention[:j]
-        if profiler.device.type == "cuda":
-            torch.cuda.empty_cache()
+        lengths = lengths[:dropped[0]]
+
+    def table(pass_list):
+        """[length][budget] stage and attention ms: each point's median over ``pass_list``, copied
+        points from the budget before them."""
+        total = [[0.0] * len(budgets) for _ in lengths]
+        attention = [[0.0] * len(budgets) for _ in lengths]
+        for j in range(len(lengths)):
+            for i in range(len(budgets)):
+                if (j, i) in copied:
+                    total[j][i], attention[j][i] = total[j][i - 1], attention[j][i - 1]
+                    continue
+                got = [p["points"][(j, i)] for p in pass_list if (j, i) in p["points"]]
+                total[j][i] = statistics.median(t for t, _ in got)
+                attention[j][i] = statistics.median(a for _, a in got)
+        return total, attention
+
+    total, attention = table(passes)
     meta = profiler.metadata(pipeline_parallel_size, tensor_parallel_size)
     common = {"metadata": meta}
     if candidates is not None:
         common["candidates"] = candidates
     model = ProfiledLatencyModel(lengths, budgets, total, attention, B, **common)
     model.profile_info = {
-        "warmup": warmup, "iters": iters, "min_time_s": profiler.min_time_s, "attention_fixed_ms_per_layer": attn_fixed,
+        "warmup": warmup, "iters": iters, "min_time_s": profiler.min_time_s, "rounds": len(passes),
+        "attention_fixed_ms_per_layer": statistics.median(attn_fixed_passes),
         "seconds": round(time.perf_counter() - t_start, 2), "torch": torch.__version__,
         "timer": "cuda_events" if profiler.device.type == "cuda" else "wall_clock",
         "dropped": None if dropped is None else dropped[1],
     }
+    if rounds > 1:
+        first_total, first_attention = table(passes[:1])
+        model.profile_info["first_pass"] = {"total_ms": first_total, "attention_ms": first_attention}
+        model.profile_info["pass_seconds"] = [round(p["seconds"], 1) for p in passes]
+        model.profile_info["host_bound_points"] = len(host_bound)
+        model.profile_info["host_bound_fraction"] = HOST_BOUND_FRACTION
     return model
 
 
@@ -331,6 +411,11 @@ def parse_args(argv=None):
     p.add_argument("--min-time-s", type=float, default=0.3,
                    help="time a point longer than --iters until this many seconds are measured (at most "
                         f"{MAX_TIMED_ITERS} iterations): short, host-bound packs jitter, more samples steady the median")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every point in this many passes over the grid and keep the median of its passes: "
+                        "a short pack's time drifts with the host's speed over seconds to minutes, and passes "
+                        "minutes apart keep one moment's drift out of the table; the later passes repeat only the "
+                        f"host-bound points (issuing them takes >= {HOST_BOUND_FRACTION:g} of their wall time)")
     p.add_argument("--fp32", action="store_true", help="profile in float32 (the default on a GPU is bfloat16)")
     p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="profile the stage with activation recomputation, as the run will train it (pretrain's flag)")
@@ -350,6 +435,8 @@ def parse_args(argv=None):
         p.error("--layers-per-stage must be >= 1")
     if min(args.lengths) < 1 or min(args.budgets) < 1:
         p.error("--lengths and --budgets must be >= 1")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     args.recompute = RecomputeSettings(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
     try:
         args.recompute.validate()
@@ -370,7 +457,7 @@ def main(argv=None) -> ProfiledLatencyModel:
           f"attention {profiler.impl}, {profiler.dtype}, on {device_name() if profiler.device.type == 'cuda' else 'cpu'}: "
           f"{len(args.lengths)} lengths x {len(args.budgets)} budgets", flush=True)
     model = profile(profiler, args.lengths, args.budgets, args.warmup, args.iters, args.candidates,
-                    args.pipeline_model_parallel_size, args.tensor_model_parallel_size)
+                    args.pipeline_model_parallel_size, args.tensor_model_parallel_size, rounds=args.rounds)
     save_profile(model, args.out)
     print(f"wrote {args.out}")
     return model
