@@ -2,8 +2,8 @@
 
 Builds the real layer stack of a stage (a megatron-core ``GPTModel`` from ``build_gpt_model``
 with ``--layers-per-stage`` layers and our sparse core attention; embedding / output layer only
-when the stage holds them), then times single-sequence micro-batches over a grid of
-(length, budget) and writes a :class:`~megatron_sparsebalance.balance.latency.ProfiledLatencyModel`
+when the stage holds them; in bf16 behind ``Float16Module``, as training runs it), then
+times single-sequence micro-batches over a grid of (length, budget) and writes a :class:`~megatron_sparsebalance.balance.latency.ProfiledLatencyModel`
 as JSON with the metadata a run checks when it loads the table.
 
 For every grid point it measures two things (see ``ProfiledLatencyModel`` for why):
@@ -32,6 +32,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 import torch
+from megatron.core.transformer.module import Float16Module
 
 from megatron_sparsebalance.attention import SparseAttentionConfig, budget_scope
 from megatron_sparsebalance.data.synthetic import thd_params
@@ -120,6 +121,12 @@ class StageProfiler:
             pre_process=pre_process, post_process=post_process,
         ).to(self.device)
         self.model.train()
+        # Run the stage as training does (training/trainer.py): in bf16 behind megatron-core's
+        # Float16Module, which casts every parameter, the norms' included. Unwrapped, the norm
+        # weights stay fp32 and torch's RMSNorm falls back to its unfused kernels, a slower stage
+        # than the one being planned. (Training's DDP wrapper is left out: its per-parameter
+        # gradient hooks add ~1 ms of host time per 6-layer step, docs/LATENCY.md.)
+        self.stage = Float16Module(config, self.model) if self.bf16 else self.model
         self.core_attention = self.model.decoder.layers[0].self_attention.core_attention
         self._gen = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -179,7 +186,7 @@ class StageProfiler:
                 self.model.set_input_tensor(hidden)
             # backward inside the scope too: recomputed layers route again there (as in training)
             with budget_scope(k=k, k_base=k_base, p=p):
-                out = self.model(tokens if self.pre_process else None, pos if self.pre_process else None, None,
+                out = self.stage(tokens if self.pre_process else None, pos if self.pre_process else None, None,
                                  labels=tokens if self.post_process else None, packed_seq_params=psp)
                 if self.post_process:
                     out.float().sum().backward()

@@ -13,13 +13,18 @@ from tests.checks import run_without_sync
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def stage():
+@pytest.fixture(scope="module", params=["triton", "cuda"])
+def stage(request):
+    """A 2-layer stage on each GPU implementation (``auto`` takes CUDA on Hopper, Triton elsewhere)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    from megatron_sparsebalance.ops.implementations import unavailable_reason
     from tools.profile_latency import StageProfiler
 
-    return StageProfiler("fidelity-small", 2, block_size=64, impl="triton", max_length=4096)
+    reason = unavailable_reason(request.param, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    return StageProfiler("fidelity-small", 2, block_size=64, impl=request.param, max_length=4096)
 
 
 @pytest.mark.parametrize("lengths", [[2048], [1000, 64, 1500], [4096]])
@@ -42,3 +47,10 @@ def test_sync_debug_mode_catches_a_sync():
             x.sum().item()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_stage_runs_in_trainings_precision(stage):
+    """The profiled stage is the one training runs (Float16Module): every parameter in bf16, the
+    norms' included, so RMSNorm takes torch's fused kernel instead of its fp32-weight fallback."""
+    assert {p.dtype for p in stage.model.parameters()} == {torch.bfloat16}
+    assert stage.model.decoder.layers[0].input_layernorm.weight.dtype == torch.bfloat16
