@@ -378,10 +378,10 @@ def main(argv=None) -> dict:
 
 def evaluate(table: ProfiledLatencyModel, analytic: AnalyticLatencyModel, batches, measure, first_pass=None):
     """Predict every held-out ``(lengths, k)`` with every model, then get its time from
-    ``measure(n, lengths, k)``: ms, or a list of ms from several rounds (their median is its time),
-    or None to skip it, or StopIteration to stop. Calibrated models predict before they observe,
-    as in training. Given the profile's ``first_pass`` table, the first pass is also scored against
-    each micro-batch's first round alone (``profiled_first_pass``): both at single moments.
+    ``measure(n, lengths, k)``: ms, or a list of ms from several rounds (their median is its
+    time), or None to skip it. Calibrated models predict before they observe, as in training.
+    Given the profile's ``first_pass`` table, the first pass is also scored against each
+    micro-batch's first round alone (``profiled_first_pass``): both at single moments.
     Returns the records and the summary."""
     grid = [([L], k, table.total_ms[j][i]) for j, L in enumerate(table.lengths) for i, k in enumerate(table.budgets)]
     length_only = AffineModel.fit(lambda lengths, k: float(sum(lengths)), grid)
@@ -392,11 +392,7 @@ def evaluate(table: ProfiledLatencyModel, analytic: AnalyticLatencyModel, batche
     records = []
     for n, (lengths, k) in enumerate(batches, 1):
         pred = {name: m.predict(lengths, k) for name, m in {**models, **calibrated}.items()}
-        try:
-            got = measure(n, lengths, k)
-        except StopIteration:
-            print(f"time budget reached: {len(records)} of {len(batches)} held-out micro-batches measured")
-            break
+        got = measure(n, lengths, k)
         if got is None:
             continue
         rounds = list(got) if isinstance(got, (list, tuple)) else [got]

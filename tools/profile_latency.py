@@ -3,8 +3,9 @@
 Builds the real layer stack of a stage (a megatron-core ``GPTModel`` from ``build_gpt_model``
 with ``--layers-per-stage`` layers and our sparse core attention; embedding / output layer only
 when the stage holds them; in bf16 behind ``Float16Module``, as training runs it), then
-times single-sequence micro-batches over a grid of (length, budget) and writes a :class:`~megatron_sparsebalance.balance.latency.ProfiledLatencyModel`
-as JSON with the metadata a run checks when it loads the table.
+times single-sequence micro-batches over a grid of (length, budget) and writes a
+:class:`~megatron_sparsebalance.balance.latency.ProfiledLatencyModel` as JSON with the
+metadata a run checks when it loads the table.
 
 For every grid point it measures two things (see ``ProfiledLatencyModel`` for why):
   * the whole stage, forward + backward, on one sequence of that length at that budget;
@@ -125,7 +126,7 @@ class StageProfiler:
         # Float16Module, which casts every parameter, the norms' included. Unwrapped, the norm
         # weights stay fp32 and torch's RMSNorm falls back to its unfused kernels, a slower stage
         # than the one being planned. (Training's DDP wrapper is left out: its per-parameter
-        # gradient hooks add ~1 ms of host time per 6-layer step, docs/LATENCY.md.)
+        # gradient hooks add host time that the table does not see; docs/LATENCY.md.)
         self.stage = Float16Module(config, self.model) if self.bf16 else self.model
         self.core_attention = self.model.decoder.layers[0].self_attention.core_attention
         self._gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -139,8 +140,9 @@ class StageProfiler:
         under ``min_time_s`` of measured time.
 
         Sets ``last_host_fraction``: the share of the wall time the host spent issuing the step
-        (1.0 on a CPU). The garbage collector is off while timing (``--manual-gc``'s setting in training): an
-        automatic collection lands in a random call and adds tens of ms of host time to it.
+        (1.0 on a CPU). The garbage collector is off while timing (``--manual-gc``'s setting in
+        training): an automatic collection lands in a random call and adds tens of ms of host
+        time to it.
         """
         for _ in range(warmup):
             step()
