@@ -122,6 +122,18 @@ __device__ __forceinline__ void load_query_tile(T* q_dst, T* do_dst, float* lse_
   }
 }
 
+// acc = A[a_row0, +64) . B^T over the head dim, both K-major tiles in shared memory (A of A_ROWS
+// rows, B of N), issued as one committed wgmma group: the scores S = Q K^T and dP = dO V^T of
+// every kernel here (transposed in dK/dV, where the keys are the A side).
+template <typename T, int D, int A_ROWS, int N>
+__device__ __forceinline__ void product_over_head_dim(float (&acc)[N / 8][4], uint64_t a_desc, int a_row0,
+                                                      uint64_t b_desc) {
+#pragma unroll
+  for (int k = 0; k < D; k += 16)
+    wgmma_ss<T, N>(acc, kmajor_at<T, A_ROWS>(a_desc, a_row0, k), kmajor_at<T, N>(b_desc, 0, k), k > 0);
+  wgmma_commit();
+}
+
 // One query tile of a warpgroup's 64 keys, for both dK/dV kernels: the four products and the
 // scores between them (the sequence in the comment above). dK's products are left in flight.
 template <typename T, int D, int KV_ROWS, int QT, bool DIAG>
@@ -134,14 +146,8 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
   const uint64_t q_mn = mnmajor_tile<T, QT>(Qc), do_mn = mnmajor_tile<T, QT>(dOc);
   float st[1][NJ][4], dpt[1][NJ][4];
   wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < D; k += 16)
-    wgmma_ss<T, QT>(st[0], kmajor_at<T, KV_ROWS>(k_desc, wg * WG_ROWS, k), kmajor_at<T, QT>(q_k, 0, k), k > 0);
-  wgmma_commit();
-#pragma unroll
-  for (int k = 0; k < D; k += 16)
-    wgmma_ss<T, QT>(dpt[0], kmajor_at<T, KV_ROWS>(v_desc, wg * WG_ROWS, k), kmajor_at<T, QT>(do_k, 0, k), k > 0);
-  wgmma_commit();
+  product_over_head_dim<T, D, KV_ROWS, QT>(st[0], k_desc, wg * WG_ROWS, q_k);
+  product_over_head_dim<T, D, KV_ROWS, QT>(dpt[0], v_desc, wg * WG_ROWS, do_k);
   wgmma_wait<1>();  // S^T done; dP^T may still run
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
@@ -462,6 +468,15 @@ struct QueryCta {
   // Whether key column col of a diagonal chunk c is hidden from a row of token tok: past the
   // block's end or after the row's token (every key of an off-diagonal chunk is visible).
   __device__ static bool masked(const Chunk& c, int col, int tok) { return col >= c.nvalid || c.kt0 + col > tok; }
+  // The causal mask of a diagonal chunk c on a thread's scores s (its two rows, of tokens tok).
+  template <int NJ>
+  __device__ static void mask_diagonal(float (&s)[NJ][4], const Chunk& c, int lane, const int (&tok)[2]) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (masked(c, 8 * j + 2 * (lane % 4) + (e & 1), tok[e / 2])) s[j][e] = -INFINITY;
+  }
   // Called by every thread: the barriers, then the roles. The producer warpgroup copies the
   // query tiles from `sources` and the walk's chunks and gets false; the consumers get their
   // registers and true.
@@ -553,22 +568,12 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
     const uint64_t k_desc = kmajor_tile<CH>(cta.keys(it));
     float s[1][NJ][4];
     wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < D; k += 16)
-      wgmma_ss<T, CH>(s[0], kmajor_at<T, BM>(q_desc, wg * WG_ROWS, k), kmajor_at<T, CH>(k_desc, 0, k), k > 0);
-    wgmma_commit();
+    product_over_head_dim<T, D, BM, CH>(s[0], q_desc, wg * WG_ROWS, k_desc);
     accumulate_chunk<T, D, CH>(o, pa, cta.values(max(it - 1, 0)));
     wgmma_wait<1>();  // S done; the previous chunk's P V runs on
     // Scores stay unscaled until the exponential folds the scale in: exp2(s scale - m), where m
     // is the running maximum in scaled units.
-    if constexpr (decltype(diag)::value) {
-      const Chunk cur = walk.chunk(p, it);
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (Cta::masked(cur, 8 * j + 2 * (lane % 4) + (e & 1), tok[e / 2])) s[0][j][e] = -INFINITY;
-    }
+    if constexpr (decltype(diag)::value) Cta::mask_diagonal(s[0], walk.chunk(p, it), lane, tok);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
@@ -658,24 +663,11 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel
     const uint64_t k_desc = kmajor_tile<CH>(cta.keys(it)), v_desc = kmajor_tile<CH>(cta.values(it));
     float s[1][NJ][4], dp[1][NJ][4];
     wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < D; k += 16)
-      wgmma_ss<T, CH>(s[0], kmajor_at<T, BM>(q_desc, wg * WG_ROWS, k), kmajor_at<T, CH>(k_desc, 0, k), k > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int k = 0; k < D; k += 16)
-      wgmma_ss<T, CH>(dp[0], kmajor_at<T, BM>(do_desc, wg * WG_ROWS, k), kmajor_at<T, CH>(v_desc, 0, k), k > 0);
-    wgmma_commit();
+    product_over_head_dim<T, D, BM, CH>(s[0], q_desc, wg * WG_ROWS, k_desc);
+    product_over_head_dim<T, D, BM, CH>(dp[0], do_desc, wg * WG_ROWS, v_desc);
     accumulate_chunk<T, D, CH>(dq, da, cta.keys(max(it - 1, 0)));
     wgmma_wait<2>();  // S done; dP and the previous chunk's dS K run on
-    if constexpr (decltype(diag)::value) {
-      const Chunk cur = walk.chunk(p, it);
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (Cta::masked(cur, 8 * j + 2 * (lane % 4) + (e & 1), tok[e / 2])) s[0][j][e] = -INFINITY;
-    }
+    if constexpr (decltype(diag)::value) Cta::mask_diagonal(s[0], walk.chunk(p, it), lane, tok);
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
