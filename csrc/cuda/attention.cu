@@ -7,6 +7,7 @@
 
 #include "cuda/attention_kernels.cuh"
 #include "cuda/attention_kernels_sm90.cuh"
+#include "check.h"
 #include "cuda/bindings.h"
 
 namespace sparsebalance {
@@ -57,19 +58,19 @@ unsigned query_tiles(const Params& p, int bm) { return (unsigned)(p.NB * ((p.blo
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_idx,
                   const at::Tensor& kv_cnt, const at::Tensor& bstart, const at::Tensor& bend, int64_t block) {
-  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "q, k, v must be CUDA tensors");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "expected q [T, HQ, D], k/v [T, G, D]");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2), "q and k differ in tokens or head dim");
-  TORCH_CHECK(q.size(1) % k.size(1) == 0, "HQ must be a multiple of G");
-  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "head dim must be 64 or 128, got ", q.size(2));
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "q must be bf16 or fp16");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v dtypes differ");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
-  TORCH_CHECK(block == 64 || block == 128 || block == 256, "block size must be 64, 128 or 256");
+  MSB_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "q, k, v must be CUDA tensors");
+  MSB_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "expected q [T, HQ, D], k/v [T, G, D]");
+  MSB_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2), "q and k differ in tokens or head dim");
+  MSB_CHECK(q.size(1) % k.size(1) == 0, "HQ must be a multiple of G");
+  MSB_CHECK(q.size(2) == 64 || q.size(2) == 128, "head dim must be 64 or 128, got ", q.size(2));
+  MSB_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "q must be bf16 or fp16");
+  MSB_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v dtypes differ");
+  MSB_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
+  MSB_CHECK(block == 64 || block == 128 || block == 256, "block size must be 64, 128 or 256");
   for (const at::Tensor* t : {&q, &k, &v})  // 16-byte vector loads
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "q, k, v must be 16-byte aligned");
+    MSB_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "q, k, v must be 16-byte aligned");
   for (const at::Tensor* t : {&kv_idx, &kv_cnt, &bstart, &bend})
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->is_contiguous(),
+    MSB_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->is_contiguous(),
                 "index tensors must be contiguous int32 CUDA tensors");
 }
 
@@ -202,9 +203,9 @@ std::vector<at::Tensor> sparse_attn_fwd_cuda(const at::Tensor& q, const at::Tens
 }
 
 void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& lse) {
-  TORCH_CHECK(dout.sizes() == q.sizes() && dout.is_contiguous() && dout.scalar_type() == q.scalar_type(),
+  MSB_CHECK(dout.sizes() == q.sizes() && dout.is_contiguous() && dout.scalar_type() == q.scalar_type(),
               "dout must be a contiguous [T, HQ, D] tensor of q's dtype");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == q.size(0) &&
+  MSB_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == q.size(0) &&
                   lse.size(1) == q.size(1),
               "lse must be contiguous float32 [T, HQ]");
 }
@@ -220,9 +221,9 @@ std::vector<at::Tensor> sparse_attn_bwd_dkdv_cuda(const at::Tensor& dout, const 
                                                   int64_t block) {
   check_inputs(q, k, v, kv_idx, kv_cnt, bstart, bend, block);
   check_backward_inputs(dout, q, lse);
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+  MSB_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "out must be a contiguous [T, HQ, D] tensor of q's dtype");
-  TORCH_CHECK(q_ptr.is_cuda() && q_idx.is_cuda() && q_ptr.scalar_type() == at::kInt &&
+  MSB_CHECK(q_ptr.is_cuda() && q_idx.is_cuda() && q_ptr.scalar_type() == at::kInt &&
                   q_idx.scalar_type() == at::kInt && q_ptr.is_contiguous() && q_idx.is_contiguous(),
               "q_ptr/q_idx must be contiguous int32 CUDA tensors");
   const c10::cuda::CUDAGuard guard(q.device());
@@ -254,7 +255,7 @@ at::Tensor sparse_attn_bwd_dq_cuda(const at::Tensor& dout, const at::Tensor& q, 
                                    const at::Tensor& bend, double scale, int64_t block) {
   check_inputs(q, k, v, kv_idx, kv_cnt, bstart, bend, block);
   check_backward_inputs(dout, q, lse);
-  TORCH_CHECK(delta.sizes() == lse.sizes() && delta.scalar_type() == at::kFloat && delta.is_contiguous(),
+  MSB_CHECK(delta.sizes() == lse.sizes() && delta.scalar_type() == at::kFloat && delta.is_contiguous(),
               "delta must be contiguous float32 [T, HQ]");
   const c10::cuda::CUDAGuard guard(q.device());
   auto dq = at::empty_like(q);
