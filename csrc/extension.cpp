@@ -16,7 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per-KV-block query index for backward (CPU)", pybind11::arg("kv_idx"), pybind11::arg("kv_cnt"));
 #ifdef WITH_CUDA
   m.attr("with_cuda") = true;
+  sparsebalance::register_device_ops(m);
   sparsebalance::register_cuda_ops(m);
+  sparsebalance::register_index_ops(m);
+  sparsebalance::register_router_ops(m);
 #else
   m.attr("with_cuda") = false;
 #endif

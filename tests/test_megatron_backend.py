@@ -98,6 +98,28 @@ def test_auto_order_puts_cuda_first_only_where_its_hopper_kernels_run(monkeypatc
     assert order[0] == first and sorted(order) == ["cuda", "torch", "triton"]
 
 
+def test_cuda_without_machine_code_for_the_gpu_is_refused_with_the_build_flag(monkeypatch):
+    """An extension built for other GPUs (MSB_CUDA_ARCH) must not be launched: the first kernel
+    would fail deep in a layer. The reason names the flag; the router and index fall back."""
+    import types
+
+    from megatron_sparsebalance.ops import implementations, native
+
+    monkeypatch.setattr(native, "HAVE_NATIVE", True)
+    monkeypatch.setattr(native, "HAVE_NATIVE_CUDA", True)
+    monkeypatch.setattr(native, "_native", types.SimpleNamespace(kernels_run_on=lambda index: index != 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
+    native.cuda_kernels_run_on.cache_clear()
+    try:
+        assert not native.cuda_kernels_run_on(torch.device("cuda", 0))
+        assert native.cuda_kernels_run_on(torch.device("cuda", 1))
+        reason = implementations.unavailable_reason("cuda", torch.device("cuda", 0))
+        assert "no machine code for NVIDIA A100" in reason and "MSB_CUDA_ARCH" in reason
+        assert implementations.unavailable_reason("cuda", torch.device("cuda", 1)) is None
+    finally:
+        native.cuda_kernels_run_on.cache_clear()
+
+
 def test_auto_on_cpu_resolves_to_torch():
     from megatron_sparsebalance.ops.implementations import resolve_impl
 

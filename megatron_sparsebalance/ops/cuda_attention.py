@@ -29,8 +29,16 @@ def transpose_index_gpu(kv_idx: torch.Tensor, kv_cnt: torch.Tensor) -> tuple[tor
     """``(q_ptr [G*NB+1], q_idx [G*NB*K])`` int32: query blocks per (group, KV block), ascending.
 
     Same CSR as :func:`megatron_sparsebalance.ops.router.transpose_route_index` (only the first
-    ``q_ptr[-1]`` entries of ``q_idx`` are meaningful), by a stable sort, with no host sync.
+    ``q_ptr[-1]`` entries of ``q_idx`` are meaningful), with no host sync: three launches of the
+    CUDA extension (``csrc/cuda/transpose_index.cu``) where it is built for this GPU, else torch ops.
     """
+    if kv_idx.is_cuda and native.cuda_kernels_run_on(kv_idx.device):
+        return tuple(native.native().transpose_index_cuda(kv_idx.contiguous(), kv_cnt.contiguous()))
+    return transpose_index_torch(kv_idx, kv_cnt)
+
+
+def transpose_index_torch(kv_idx: torch.Tensor, kv_cnt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`transpose_index_gpu` by torch ops (a stable sort): eight launches from Python."""
     G, NB, K = kv_idx.shape
     dev = kv_idx.device
     # int32 keys and early frees: this runs inside the backward, at its memory peak.

@@ -48,6 +48,9 @@ def unavailable_reason(impl: str, device: torch.device) -> Optional[str]:
             return f"the native extension is not built ({native.NATIVE_IMPORT_ERROR})"
         if not native.HAVE_NATIVE_CUDA:
             return "the native extension was built without CUDA (rebuild with MSB_CUDA=1 where nvcc exists)"
+        if not native.cuda_kernels_run_on(device):
+            return (f"the native extension has no machine code for {torch.cuda.get_device_name(device)} "
+                    "(rebuild with MSB_CUDA_ARCH set to its architecture, e.g. MSB_CUDA_ARCH=80 for an A100)")
         return None
     if impl == "triton":
         if device.type != "cuda":

@@ -5,10 +5,11 @@ import error is kept and reported when something explicitly asks for native code
 """
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Optional
 
-import torch  # noqa: F401  (loads libc10 before the extension)
+import torch  # loads libc10 before the extension
 
 try:
     from megatron_sparsebalance import _C as _native
@@ -31,3 +32,12 @@ def native() -> ModuleType:
             f"{NATIVE_IMPORT_ERROR}"
         )
     return _native
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_kernels_run_on(device: torch.device) -> bool:
+    """Whether the extension's CUDA kernels have machine code for ``device`` (a CUDA device); asked once."""
+    if not HAVE_NATIVE_CUDA:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return bool(_native.kernels_run_on(index))

@@ -105,8 +105,9 @@ def route(
 
     Nothing here waits for the device: under the coverage bound the budget is chosen on the
     device, and the selection is made ``k_base`` wide (the bound never goes above it) with each
-    row's count set by the chosen budget. On a GPU with Triton the router runs as a handful of
-    launches (``triton_router.py``); elsewhere as the torch reference.
+    row's count set by the chosen budget. On a GPU the router runs as a handful of launches:
+    from C++ where the CUDA extension is built (``csrc/cuda/router.cu``), else Triton's
+    (``triton_router.py``); elsewhere as the torch reference.
 
     Args:
         q: ``[T, HQ, D]``; k: ``[T, G, D]``.
@@ -119,31 +120,53 @@ def route(
     k_request = int(budget)
     bounded = p is not None and k_base is not None and k_request < k_base
     curve_len = max(k_request, k_base or 1) if (bounded or track_coverage) else 0
-    head_dim = q.shape[-1]
-    # the Triton pooling reads a head as one power-of-two vector; other head dims use the torch router
-    on_gpu = _triton_router(q.device) and head_dim & (head_dim - 1) == 0
-    routed = _route_triton if on_gpu else _route_torch
-    blocks, curve, k_used = routed(q, k, layout, k_request, int(k_base or 0), p if bounded else None, curve_len)
-    coverage = None
-    if curve is not None:
-        coverage = torch.stack([_curve_at(curve, k_used), _curve_at(curve, k_base or k_request)])
+    routed = gpu_router(q, layout) or _route_torch
+    blocks, curve, k_used, coverage = routed(q, k, layout, k_request, int(k_base or 0), p if bounded else None,
+                                             curve_len)
     stats = RouteStats(k_request, k_used, coverage, bool(k_base) and curve is not None)
     return blocks, stats
 
 
+def gpu_router(q: torch.Tensor, layout: BlockLayout):
+    """The GPU router that serves this pack (``_route_cuda`` or ``_route_triton``), or None."""
+    if q.device.type != "cuda":
+        return None
+    head_dim = q.shape[-1]
+    if (native.cuda_kernels_run_on(q.device) and head_dim <= native.native().router_max_head_dim
+            and layout.max_blocks_per_seq - 1 <= native.native().router_max_candidates):
+        return _route_cuda
+    # the Triton pooling reads a head as one power-of-two vector; other head dims use the torch router
+    if _triton_router(q.device) and head_dim & (head_dim - 1) == 0:
+        return _route_triton
+    return None
+
+
+def _coverage(curve: Optional[torch.Tensor], k_used: Union[int, torch.Tensor], k_ref: int) -> Optional[torch.Tensor]:
+    """``[C(k_used), C(k_ref)]`` on the device, or None without a curve."""
+    if curve is None:
+        return None
+    return torch.stack([_curve_at(curve, k_used), _curve_at(curve, k_ref)])
+
+
+# Each router returns ``(route, curve or None, k_used, [C(k_used), C(k_base or k_request)] or
+# None)``; ``p`` set means the coverage bound applies.
+
 def _route_torch(q, k, layout, k_request, k_base, p, curve_len):
-    """``(route, curve or None, k_used)`` with the torch router; ``p`` set means the bound applies."""
+    """The torch router (the oracle)."""
     scores = block_scores(q, k, layout)
     curve = coverage_curve(scores, curve_len) if curve_len else None
     if p is None:
-        return select(scores, layout, k_request, k_request), curve, k_request
-    k_used = coverage_bounded_budget(curve, k_request, k_base, p)
-    return select(scores, layout, k_used, k_base), curve, k_used
+        k_used = k_request
+        blocks = select(scores, layout, k_request, k_request)
+    else:
+        k_used = coverage_bounded_budget(curve, k_request, k_base, p)
+        blocks = select(scores, layout, k_used, k_base)
+    return blocks, curve, k_used, _coverage(curve, k_used, k_base or k_request)
 
 
 def _route_triton(q, k, layout, k_request, k_base, p, curve_len):
-    """As :func:`_route_torch`, with the GPU router: pooling, one GEMM, one selection launch
-    (two under the coverage bound: the curve must exist before the budget is chosen)."""
+    """The Triton router: pooling, one GEMM, one selection launch (two under the coverage bound:
+    the curve must exist before the budget is chosen)."""
     from megatron_sparsebalance.ops import triton_router
 
     dots = triton_router.pooled_dots(q, k, layout)
@@ -151,11 +174,27 @@ def _route_triton(q, k, layout, k_request, k_base, p, curve_len):
     if p is None:
         kv_idx, kv_cnt, curve = triton_router.select_and_cover(
             dots, layout, scale, budget=k_request, width=k_request, curve_len=curve_len)
-        return BlockRoute(layout, kv_idx, kv_cnt, k_request), curve, k_request
-    _, _, curve = triton_router.select_and_cover(dots, layout, scale, curve_len=curve_len)
-    k_used = coverage_bounded_budget(curve, k_request, k_base, p)
-    kv_idx, kv_cnt, _ = triton_router.select_and_cover(dots, layout, scale, budget=k_used, width=k_base)
-    return BlockRoute(layout, kv_idx, kv_cnt, k_used), curve, k_used
+        k_used = k_request
+    else:
+        _, _, curve = triton_router.select_and_cover(dots, layout, scale, curve_len=curve_len)
+        k_used = coverage_bounded_budget(curve, k_request, k_base, p)
+        kv_idx, kv_cnt, _ = triton_router.select_and_cover(dots, layout, scale, budget=k_used, width=k_base)
+    return BlockRoute(layout, kv_idx, kv_cnt, k_used), curve, k_used, _coverage(curve, k_used, k_base or k_request)
+
+
+def _route_cuda(q, k, layout, k_request, k_base, p, curve_len):
+    """The CUDA router: three calls into C++, five or six launches. Each row's scores are computed
+    where it is ranked; the coverage bound's budget and the coverage pair come out of the launches."""
+    ext = native.native()
+    groups = k.shape[1]
+    pooled_q = ext.router_pool_cuda(q, layout.block_start, layout.block_end, groups)
+    pooled_k = ext.router_pool_cuda(k, layout.block_start, layout.block_end, groups)
+    kv_idx, kv_cnt, curve, coverage, k_used = ext.router_select_cuda(
+        pooled_q, pooled_k, layout.block_pos, layout.max_blocks_per_seq, layout.rows_with_candidates,
+        1.0 / math.sqrt(q.shape[-1]), k_request, k_base, -1.0 if p is None else float(p), curve_len)
+    if k_used is None:
+        k_used = k_request
+    return BlockRoute(layout, kv_idx, kv_cnt, k_used), curve, k_used, coverage
 
 
 @functools.lru_cache(maxsize=None)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_sparsebalance.ops.cuda_attention import transpose_index_gpu  # noqa: F401  (shared, torch only)
+from megatron_sparsebalance.ops.cuda_attention import transpose_index_gpu  # noqa: F401  (shared with the CUDA backward)
 from megatron_sparsebalance.ops.registration import register_attention
 from megatron_sparsebalance.ops.router import BlockRoute
 

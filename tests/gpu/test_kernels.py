@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from megatron_sparsebalance.ops.implementations import attention_function, resolve_impl, unavailable_reason
-from megatron_sparsebalance.ops.layout import BlockLayout
 from megatron_sparsebalance.ops.naive import sparse_attention_naive
 from megatron_sparsebalance.ops.router import block_scores, select_blocks
+from tests.packs import random_pack
 
 pytestmark = pytest.mark.gpu
 
@@ -32,17 +32,9 @@ def _impl(name):
 
 
 def _pack(lens, hq, g, d, dtype, block, budget, seed=0, structured=True):
-    """Random-but-structured q/k/v of a THD pack and the MoBA route at ``budget``."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    T = sum(lens)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
-    lay = BlockLayout.from_cu_seqlens(cu, block, T)
-    q = torch.randn(T, hq, d, device="cuda", generator=gen)
-    k = torch.randn(T, g, d, device="cuda", generator=gen)
-    v = torch.randn(T, g, d, device="cuda", generator=gen)
-    if structured:  # per-block offsets so that routing is not a coin toss
-        k = k + torch.randn(lay.num_blocks, g, d, device="cuda", generator=gen)[lay.token_block]
-    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    """Random-but-structured q/k/v of a THD pack (requiring grad) and the MoBA route at ``budget``."""
+    q, k, v, lay = random_pack(lens, hq, g, d, dtype, block, seed, structured)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
     if budget == "all":
         budget = lay.max_blocks_per_seq
     elif budget == "half":
@@ -164,15 +156,45 @@ def test_backward_peak_is_the_gradients_and_delta(impl):
     assert peak <= sum(block_bytes(n) for n in live), (peak, sum(live), index_bytes)
 
 
-def test_transposed_index_matches_router():
+@pytest.mark.parametrize("build", ["cuda", "torch"])
+def test_transposed_index_matches_router(build):
+    """The backward's per-KV-block index, by the CUDA extension and by torch ops, against the
+    reference: the same CSR, each list ascending; over block sizes, varlen packs, budgets from 1
+    to every block and mixed per-sequence budgets."""
+    from megatron_sparsebalance.ops import cuda_attention, native
     from megatron_sparsebalance.ops.router import transpose_route_index
-    from megatron_sparsebalance.ops.triton_attention import transpose_index_gpu
 
     _impl("triton")
-    _, _, _, route = _pack([3000, 500, 129], 8, 2, 64, torch.bfloat16, 64, 7)
-    qp, qi = transpose_index_gpu(route.kv_idx, route.kv_cnt)
-    rp, ri = transpose_route_index(route.kv_idx, route.kv_cnt)
-    assert torch.equal(qp, rp) and torch.equal(qi[: ri.numel()], ri)
+    if build == "cuda" and not native.cuda_kernels_run_on(torch.device("cuda")):
+        pytest.skip("the CUDA extension is not built for this GPU")
+    transpose = cuda_attention.transpose_index_gpu if build == "cuda" else cuda_attention.transpose_index_torch
+    cases = [([3000, 500, 129], 64, 7), ([3000, 500, 129], 64, 1), ([9000], 128, "all"), ([70, 4100, 1], 256, 3),
+             ([2048] * 6, 128, [1, 16, 3, 16, 2, 9])]
+    for lens, block, budget in cases:
+        q, k, _, route = _pack(lens, 8, 2, 64, torch.bfloat16, block, 1 if isinstance(budget, list) else budget)
+        if isinstance(budget, list):  # one budget per sequence
+            lay = route.layout
+            route = select_blocks(block_scores(q.detach(), k.detach(), lay), lay, torch.tensor(budget), max(budget))
+        qp, qi = transpose(route.kv_idx, route.kv_cnt)
+        rp, ri = transpose_route_index(route.kv_idx, route.kv_cnt)
+        assert torch.equal(qp, rp) and torch.equal(qi[: ri.numel()], ri), (lens, block, budget)
+
+
+def test_cuda_extension_refuses_bad_input_with_a_message():
+    """A bad argument reaching the C++ entry points raises a RuntimeError that names it (on the
+    H200 image a message formatted by TORCH_CHECK itself crashed the process: csrc/check.h)."""
+    from megatron_sparsebalance.ops import native
+
+    _impl("cuda")
+    ext = native.native()
+    q = torch.zeros(256, 4, 96, dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros(2, 2, 1, dtype=torch.int32, device="cuda")
+    cnt = torch.ones(2, 2, dtype=torch.int32, device="cuda")
+    bounds = torch.zeros(2, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="head dim must be 64 or 128, got 96"):
+        ext.sparse_attn_fwd_cuda(q, q[:, :2], q[:, :2], idx, cnt, bounds, bounds, 0.1, 128)
+    with pytest.raises(RuntimeError, match="kv_idx must be a contiguous int32 CUDA tensor"):
+        ext.transpose_index_cuda(idx.long(), cnt)
 
 
 def test_triton_op_compiles_fullgraph():
@@ -237,24 +259,31 @@ def test_gpu_router_selection_and_coverage_equal_torch_router_on_the_same_scores
             assert torch.equal(kv, ref.kv_idx) and torch.equal(cnt, ref.kv_cnt), lens
 
 
+@pytest.mark.parametrize("router", ["cuda", "triton"])
 @pytest.mark.parametrize("k_base,p", [(None, None), (32, 0.1), (32, 0.0), (32, 1.0)])
-def test_route_on_gpu_matches_the_torch_router(k_base, p):
-    """``route`` on a GPU (Triton router) against the torch router on the same q, k: the same
-    budget under the coverage bound, the same coverage, the same selection up to near-ties (the
-    two pool in a different fp32 summation order)."""
+def test_route_on_gpu_matches_the_torch_router(monkeypatch, router, k_base, p):
+    """``route`` on a GPU (each GPU router) against the torch router on the same q, k: the same
+    budget under the coverage bound, the same coverage, the same selection up to near-ties (they
+    pool in different fp32 summation orders)."""
+    import importlib
+
     from megatron_sparsebalance.ops.sparse_attention import _route_torch, route
 
-    _impl("triton")
+    sparse_attention = importlib.import_module("megatron_sparsebalance.ops.sparse_attention")
+    _impl(router)
+    monkeypatch.setattr(sparse_attention, "gpu_router", lambda q, layout: getattr(sparse_attention, f"_route_{router}"))
     q, k, _, rt = _pack([6000, 2000, 100], 14, 2, 64, torch.bfloat16, 128, 3)
     for budget in (4, 16, 48):
         got, stats = route(q.detach(), k.detach(), rt.layout, budget, k_base=k_base, p=p)
         bounded = p is not None and budget < k_base
-        ref, curve, k_used = _route_torch(q.detach(), k.detach(), rt.layout, budget, k_base or 0,
-                                          p if bounded else None, max(budget, k_base or 1))
+        ref, curve, k_used, _ = _route_torch(q.detach(), k.detach(), rt.layout, budget, k_base or 0,
+                                             p if bounded else None, max(budget, k_base or 1))
         assert stats.k_used == int(k_used)
         assert got.kv_idx.shape == ref.kv_idx.shape
         assert (got.kv_idx != ref.kv_idx).float().mean().item() < 1e-3
         assert abs(stats.coverage_used - float(curve[int(k_used) - 1])) < 1e-4
+        if k_base:
+            assert abs(stats.coverage_base - float(curve[k_base - 1])) < 1e-4
 
 
 def test_eager_path_equals_the_registered_op():
