@@ -183,7 +183,7 @@ def _route_triton(q, k, layout, k_request, k_base, p, curve_len):
 
 
 def _route_cuda(q, k, layout, k_request, k_base, p, curve_len):
-    """The CUDA router: three calls into C++, five or six launches. Each row's scores are computed
+    """The CUDA router: three calls into C++, three to five launches. Each row's scores are computed
     where it is ranked; the coverage bound's budget and the coverage pair come out of the launches."""
     ext = native.native()
     groups = k.shape[1]
