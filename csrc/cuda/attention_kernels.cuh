@@ -32,6 +32,8 @@
 
 #include <cstdint>
 
+#include "cuda/warp.cuh"
+
 namespace sparsebalance {
 namespace kernels {
 
@@ -468,7 +470,7 @@ __global__ void delta_kernel(const T* O, const T* dO, float* delta, int64_t nrow
   if (r >= nrows) return;
   float s = 0.f;
   for (int c = lane; c < D; c += 32) s += to_f<T>(O[r * D + c]) * to_f<T>(dO[r * D + c]);
-  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffff, s, o);
+  s = warp_sum(s);
   if (lane == 0) delta[r] = s;
 }
 

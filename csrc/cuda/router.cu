@@ -23,6 +23,7 @@
 
 #include "check.h"
 #include "cuda/bindings.h"
+#include "cuda/warp.cuh"
 
 namespace sparsebalance {
 namespace {
@@ -123,11 +124,6 @@ __device__ void bitonic_sort(uint64_t* key, int n) {
   }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int off = 16; off; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-
 // Writes a route row: the n best candidates (`ranked(t)`, t < n, block ids) in ascending block
 // order, then the diagonal block i, then -1 up to the width w.
 template <typename Ranked>
@@ -206,11 +202,8 @@ __global__ void __launch_bounds__(RANK_THREADS) rank_kernel(RankArgs a) {
         float run = 0.f;
         for (int t0 = 0; t0 < ranks; t0 += 32) {
           const int t = t0 + lane;
-          float mass = t < ranks ? __expf(score[key_candidate(key[t])] - top_score) * inv_total : 0.f;
-          for (int off = 1; off < 32; off <<= 1) {
-            const float up = __shfl_up_sync(0xffffffffu, mass, off);
-            if (lane >= off) mass += up;
-          }
+          const float mass = warp_inclusive_sum(
+              t < ranks ? __expf(score[key_candidate(key[t])] - top_score) * inv_total : 0.f, lane);
           if (t < ranks) cover[t + 1] = run + mass;  // C(t + 2)
           run += __shfl_sync(0xffffffffu, mass, 31);
         }

@@ -12,6 +12,7 @@
 
 #include "check.h"
 #include "cuda/bindings.h"
+#include "cuda/warp.cuh"
 
 namespace sparsebalance {
 namespace {
@@ -46,7 +47,7 @@ count_kernel(const int* kv_idx, const int* kv_cnt, int nb, int width, int* q_ptr
   const int g = blockIdx.y, j = blockIdx.x;
   int n = 0;
   for (int i = j + threadIdx.x; i < nb; i += LIST_THREADS) n += holds(kv_idx, kv_cnt, g, nb, width, i, j);
-  for (int off = 16; off; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
+  n = warp_sum(n);
   __shared__ int warp_n[LIST_WARPS];
   if (threadIdx.x % 32 == 0) warp_n[threadIdx.x / 32] = n;
   __syncthreads();
@@ -66,22 +67,11 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(int* q_ptr, int n) {
   for (int e = lo; e < hi; ++e) own += q_ptr[e];
   // exclusive scan of the threads' sums: within warps by shuffles, then over the warp totals
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int incl = own;
-  for (int off = 1; off < 32; off <<= 1) {
-    const int up = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += up;
-  }
+  const int incl = warp_inclusive_sum(own, lane);
   __shared__ int warp_total[SCAN_THREADS / 32];
   if (lane == 31) warp_total[warp] = incl;
   __syncthreads();
-  if (warp == 0) {
-    int t = warp_total[lane];
-    for (int off = 1; off < 32; off <<= 1) {
-      const int up = __shfl_up_sync(0xffffffffu, t, off);
-      if (lane >= off) t += up;
-    }
-    warp_total[lane] = t;  // inclusive over warps
-  }
+  if (warp == 0) warp_total[lane] = warp_inclusive_sum(warp_total[lane], lane);  // inclusive over warps
   __syncthreads();
   int run = incl - own + (warp ? warp_total[warp - 1] : 0);
   for (int e = lo; e < hi; ++e) {
