@@ -149,12 +149,16 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
   product_over_head_dim<T, D, KV_ROWS, QT>(st[0], k_desc, wg * WG_ROWS, q_k);
   product_over_head_dim<T, D, KV_ROWS, QT>(dpt[0], v_desc, wg * WG_ROWS, do_k);
   wgmma_wait<1>();  // S^T done; dP^T may still run
+  // This lane's columns of the tile come in adjacent pairs: one 8-byte load per pair.
+  float2 lse2[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) lse2[j] = *reinterpret_cast<const float2*>(lse_c + 8 * j + 2 * (lane % 4));
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int col = 8 * j + 2 * (lane % 4) + (e & 1);
-      const float pe = exp2f(fmaf(st[0][j][e], p.scale_log2, -lse_c[col]));
+      const float pe = exp2f(fmaf(st[0][j][e], p.scale_log2, -(e & 1 ? lse2[j].y : lse2[j].x)));
       st[0][j][e] = DIAG && key_tok + 8 * (e / 2) > div_r(r0 + col, p) ? 0.f : pe;
     }
   uint32_t pa[1][QT / 16][4];
@@ -169,9 +173,9 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
   for (int s = 0; s < QT / 16; ++s)
 #pragma unroll
     for (int h = 0; h < 4; ++h) {  // dS = P (dP - delta), straight into A fragments (to_a_frags' order)
-      const int j = 2 * s + h / 2, e0 = 2 * (h % 2), col = 8 * j + 2 * (lane % 4);
-      da[0][s][h] = pack2<T>(st[0][j][e0] * (dpt[0][j][e0] - dl_c[col]),
-                             st[0][j][e0 + 1] * (dpt[0][j][e0 + 1] - dl_c[col + 1]));
+      const int j = 2 * s + h / 2, e0 = 2 * (h % 2);
+      const float2 dl = *reinterpret_cast<const float2*>(dl_c + 8 * j + 2 * (lane % 4));
+      da[0][s][h] = pack2<T>(st[0][j][e0] * (dpt[0][j][e0] - dl.x), st[0][j][e0 + 1] * (dpt[0][j][e0 + 1] - dl.y));
     }
   wgmma_fence();
 #pragma unroll
@@ -518,6 +522,34 @@ struct QueryCta {
   __device__ const T* values(int it) const { return Vs + (it % STAGES) * CH * D; }
 };
 
+// Folds t[h][0, 2W) into t[h][0, W), then on down to t[h][0]: one level of reduce_rows' tree
+// per call (a template parameter per level, so that every loop is unrolled and t stays in
+// registers; nvcc leaves a loop over the levels rolled and t in local memory).
+template <int W, int NJ, typename Op>
+__device__ __forceinline__ void fold_levels(float (&t)[2][NJ], Op op) {
+#pragma unroll
+  for (int j = 0; j < W; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) t[h][j] = op(t[h][j], t[h][j + W]);
+  if constexpr (W > 1) fold_levels<W / 2>(t, op);
+}
+
+// Reduces each of the two rows a thread holds of a score tile (values 0, 1 of every j for its
+// first row, 2, 3 for its second) with `op`, as a tree: log2(2 NJ) dependent steps instead of a
+// chain of 2 NJ, which was the longest dependency of the forward's step.
+template <int NJ, typename Op>
+__device__ __forceinline__ void reduce_rows(const float (&s)[NJ][4], float (&out)[2], Op op) {
+  static_assert(NJ > 1 && (NJ & (NJ - 1)) == 0, "a power of two");
+  float t[2][NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) t[h][j] = op(s[j][2 * h], s[j][2 * h + 1]);
+  fold_levels<NJ / 2>(t, op);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) out[h] = t[h][0];
+}
+
 // acc += A B for one chunk, A (P or dS) from registers, B (the chunk's V or K tile) read
 // transposed: O += P V in the forward, dQ += dS K in dQ. Left in flight.
 template <typename T, int D, int CH>
@@ -574,11 +606,8 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
     // Scores stay unscaled until the exponential folds the scale in: exp2(s scale - m), where m
     // is the running maximum in scaled units.
     if constexpr (decltype(diag)::value) Cta::mask_diagonal(s[0], walk.chunk(p, it), lane, tok);
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[0][j][e]);
+    float mx[2];
+    reduce_rows<NJ>(s[0], mx, [](float a, float b) { return fmaxf(a, b); });
     float alpha[2], m_use[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -586,15 +615,15 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
       m_use[h] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
       alpha[h] = exp2f(m[h] - m_use[h]);
       m[h] = m_new;
-      l[h] *= alpha[h];
     }
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[0][j][e] = exp2f(fmaf(s[0][j][e], p.scale_log2, -m_use[e / 2]));
-        l[e / 2] += s[0][j][e];
-      }
+      for (int e = 0; e < 4; ++e) s[0][j][e] = exp2f(fmaf(s[0][j][e], p.scale_log2, -m_use[e / 2]));
+    float row_sum[2];
+    reduce_rows<NJ>(s[0], row_sum, [](float a, float b) { return a + b; });
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[h] = fmaf(l[h], alpha[h], row_sum[h]);
     wgmma_wait<0>();  // O holds every chunk before this one: rescale it to this chunk's maximum
     if (it > 0) cta.release(it - 1);
 #pragma unroll
