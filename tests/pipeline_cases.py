@@ -104,12 +104,17 @@ CLAIM_MICRO_BATCHES = [[3072], [640, 384], [896], [512, 256, 128]]  # one long s
 
 
 def profile_cpu_stage(path):
-    """Profile one middle stage (1 layer) of the claim's model on this CPU: the latency table."""
+    """Profile one middle stage (1 layer) of the claim's model on this CPU: the latency table.
+
+    Three passes, median per point: the straggler's budget is the first one whose predicted time
+    falls under the mean, and one pass on a loaded 2-core machine once put the 3072-token point at
+    budget 8 under it (the straggler then shrank to 8 blocks instead of 4, too little for the
+    claim)."""
     from tools.profile_latency import main as profile_main
 
     profile_main(["--model", "tiny", "--layers-per-stage", "1", "--moba-block-size", "64", "--sparse-attn-impl", "torch",
                   "--fp32", "--lengths", "128", "512", "1024", "2048", "3072", "--budgets", "1", "2", "4", "8", "16",
-                  "--warmup", "1", "--iters", "3", "--out", path])
+                  "--warmup", "1", "--iters", "3", "--rounds", "3", "--out", path])
 
 
 def dst_claim(table_path, out_path):
