@@ -106,9 +106,9 @@ CLAIM_MICRO_BATCHES = [[3072], [640, 384], [896], [512, 256, 128]]  # one long s
 def profile_cpu_stage(path):
     """Profile one middle stage (1 layer) of the claim's model on this CPU: the latency table.
 
-    Three passes, median per point: the straggler's budget is the first one whose predicted time
-    falls under the mean, and one pass on a loaded 2-core machine once put the 3072-token point at
-    budget 8 under it (the straggler then shrank to 8 blocks instead of 4, too little for the
+    Three passes, median per point: DST shrinks the straggler until its predicted time meets the
+    mean, and one pass on a loaded 2-core machine once priced the 3072-token point at budget 8 low
+    enough for that (the straggler then shrank to 8 blocks instead of 4-6, too little for the
     claim)."""
     from tools.profile_latency import main as profile_main
 
