@@ -19,11 +19,11 @@ namespace sparsebalance {
 std::tuple<torch::Tensor, torch::Tensor> select_blocks_cpu(
     const torch::Tensor& scores, const torch::Tensor& block_budget, int64_t kmax) {
   MSB_CHECK(scores.device().is_cpu() && scores.dim() == 3 && scores.scalar_type() == torch::kFloat32,
-              "scores must be a CPU float32 tensor [G, NB, NB]");
+            "scores must be a CPU float32 tensor [G, NB, NB]");
   MSB_CHECK(scores.size(1) == scores.size(2), "scores must be [G, NB, NB]");
   MSB_CHECK(block_budget.device().is_cpu() && block_budget.scalar_type() == torch::kInt64 &&
-                  block_budget.dim() == 1 && block_budget.size(0) == scores.size(1),
-              "block_budget must be a CPU int64 tensor [NB]");
+                block_budget.dim() == 1 && block_budget.size(0) == scores.size(1),
+            "block_budget must be a CPU int64 tensor [NB]");
   MSB_CHECK(kmax >= 1, "kmax must be >= 1");
   const auto s = scores.contiguous();
   const auto bud = block_budget.contiguous();
@@ -59,9 +59,9 @@ std::tuple<torch::Tensor, torch::Tensor> select_blocks_cpu(
 std::tuple<torch::Tensor, torch::Tensor> transpose_index_cpu(const torch::Tensor& kv_idx,
                                                              const torch::Tensor& kv_cnt) {
   MSB_CHECK(kv_idx.device().is_cpu() && kv_idx.scalar_type() == torch::kInt32 && kv_idx.dim() == 3,
-              "kv_idx must be a CPU int32 tensor [G, NB, K]");
+            "kv_idx must be a CPU int32 tensor [G, NB, K]");
   MSB_CHECK(kv_cnt.device().is_cpu() && kv_cnt.scalar_type() == torch::kInt32 && kv_cnt.dim() == 2,
-              "kv_cnt must be a CPU int32 tensor [G, NB]");
+            "kv_cnt must be a CPU int32 tensor [G, NB]");
   const auto kv = kv_idx.contiguous();
   const auto cnt = kv_cnt.contiguous();
   const int64_t G = kv.size(0), NB = kv.size(1), K = kv.size(2);

@@ -71,7 +71,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     MSB_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "q, k, v must be 16-byte aligned");
   for (const at::Tensor* t : {&kv_idx, &kv_cnt, &bstart, &bend})
     MSB_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->is_contiguous(),
-                "index tensors must be contiguous int32 CUDA tensors");
+              "index tensors must be contiguous int32 CUDA tensors");
 }
 
 // The kernels' element type and head dim as a value, so one generic lambda serves all four.
@@ -204,10 +204,10 @@ std::vector<at::Tensor> sparse_attn_fwd_cuda(const at::Tensor& q, const at::Tens
 
 void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& lse) {
   MSB_CHECK(dout.sizes() == q.sizes() && dout.is_contiguous() && dout.scalar_type() == q.scalar_type(),
-              "dout must be a contiguous [T, HQ, D] tensor of q's dtype");
+            "dout must be a contiguous [T, HQ, D] tensor of q's dtype");
   MSB_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == q.size(0) &&
-                  lse.size(1) == q.size(1),
-              "lse must be contiguous float32 [T, HQ]");
+                lse.size(1) == q.size(1),
+            "lse must be contiguous float32 [T, HQ]");
 }
 
 // dK, dV and delta (= rowsum(out * dout), which dQ needs as well). The caller frees the
@@ -222,10 +222,10 @@ std::vector<at::Tensor> sparse_attn_bwd_dkdv_cuda(const at::Tensor& dout, const 
   check_inputs(q, k, v, kv_idx, kv_cnt, bstart, bend, block);
   check_backward_inputs(dout, q, lse);
   MSB_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
-              "out must be a contiguous [T, HQ, D] tensor of q's dtype");
+            "out must be a contiguous [T, HQ, D] tensor of q's dtype");
   MSB_CHECK(q_ptr.is_cuda() && q_idx.is_cuda() && q_ptr.scalar_type() == at::kInt &&
-                  q_idx.scalar_type() == at::kInt && q_ptr.is_contiguous() && q_idx.is_contiguous(),
-              "q_ptr/q_idx must be contiguous int32 CUDA tensors");
+                q_idx.scalar_type() == at::kInt && q_ptr.is_contiguous() && q_idx.is_contiguous(),
+            "q_ptr/q_idx must be contiguous int32 CUDA tensors");
   const c10::cuda::CUDAGuard guard(q.device());
   auto delta = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   auto dk = at::empty_like(k);
@@ -256,7 +256,7 @@ at::Tensor sparse_attn_bwd_dq_cuda(const at::Tensor& dout, const at::Tensor& q, 
   check_inputs(q, k, v, kv_idx, kv_cnt, bstart, bend, block);
   check_backward_inputs(dout, q, lse);
   MSB_CHECK(delta.sizes() == lse.sizes() && delta.scalar_type() == at::kFloat && delta.is_contiguous(),
-              "delta must be contiguous float32 [T, HQ]");
+            "delta must be contiguous float32 [T, HQ]");
   const c10::cuda::CUDAGuard guard(q.device());
   auto dq = at::empty_like(q);
   Params p = make_params(q, k, kv_idx, kv_cnt, bstart, bend, scale, block);

@@ -15,7 +15,7 @@ void register_index_ops(pybind11::module& m);
 // Adds kernels_run_on: whether the build has machine code for a GPU (device.cu).
 void register_device_ops(pybind11::module& m);
 
-// Adds router_dots_cuda and router_select_cuda, the MoBA router (router.cu).
+// Adds router_pool_cuda and router_select_cuda, the MoBA router (router.cu).
 void register_router_ops(pybind11::module& m);
 
 }  // namespace sparsebalance

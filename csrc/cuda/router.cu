@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(SELECT_THREADS) select_kernel(SelectArgs a) {
 
 void check_layout(const at::Tensor& t, at::ScalarType dtype, const char* name) {
   MSB_CHECK(t.is_cuda() && t.dim() == 1 && t.scalar_type() == dtype && t.is_contiguous(), name,
-              " must be a contiguous 1-D ", c10::toString(dtype), " CUDA tensor");
+            " must be a contiguous 1-D ", c10::toString(dtype), " CUDA tensor");
 }
 
 // [G, NB, D] fp32: the mean of x [T, H, D] over each block's tokens and each group's heads.
@@ -344,10 +344,10 @@ std::vector<at::Tensor> router_select_cuda(const at::Tensor& pooled_q, const at:
   MSB_CHECK(k_request >= 1, "budget must be >= 1, got ", k_request);
   MSB_CHECK(curve_len >= 0, "curve_len must be >= 0, got ", curve_len);
   MSB_CHECK(max_blocks_per_seq - 1 <= MAX_CANDIDATES, "the CUDA router ranks at most ", MAX_CANDIDATES,
-              " candidates per block, got ", max_blocks_per_seq - 1);
+            " candidates per block, got ", max_blocks_per_seq - 1);
   const bool bounded = p >= 0 && k_base > k_request;
   MSB_CHECK(!bounded || curve_len >= k_base, "the coverage bound needs a curve of k_base = ", k_base,
-              " entries, got ", curve_len);
+            " entries, got ", curve_len);
   MSB_CHECK(G < 65536, "at most 65535 KV-head groups, got ", G);
   const int64_t width = std::max<int64_t>(1, std::min<int64_t>(bounded ? k_base : k_request, max_blocks_per_seq));
   const c10::cuda::CUDAGuard guard(pooled_q.device());

@@ -108,10 +108,10 @@ fill_kernel(const int* kv_idx, const int* kv_cnt, int nb, int width, const int* 
 
 std::vector<at::Tensor> transpose_index_cuda(const at::Tensor& kv_idx, const at::Tensor& kv_cnt) {
   MSB_CHECK(kv_idx.is_cuda() && kv_idx.dim() == 3 && kv_idx.scalar_type() == at::kInt && kv_idx.is_contiguous(),
-              "kv_idx must be a contiguous int32 CUDA tensor [G, NB, K]");
+            "kv_idx must be a contiguous int32 CUDA tensor [G, NB, K]");
   MSB_CHECK(kv_cnt.is_cuda() && kv_cnt.scalar_type() == at::kInt && kv_cnt.is_contiguous() &&
-                  kv_cnt.dim() == 2 && kv_cnt.size(0) == kv_idx.size(0) && kv_cnt.size(1) == kv_idx.size(1),
-              "kv_cnt must be a contiguous int32 CUDA tensor [G, NB] matching kv_idx");
+                kv_cnt.dim() == 2 && kv_cnt.size(0) == kv_idx.size(0) && kv_cnt.size(1) == kv_idx.size(1),
+            "kv_cnt must be a contiguous int32 CUDA tensor [G, NB] matching kv_idx");
   const int64_t G = kv_idx.size(0), NB = kv_idx.size(1), K = kv_idx.size(2);
   MSB_CHECK(G * NB * K < INT32_MAX, "route too large for an int32 index: G * NB * K = ", G * NB * K);
   MSB_CHECK(G < 65536, "at most 65535 KV-head groups, got ", G);

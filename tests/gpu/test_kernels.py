@@ -269,6 +269,7 @@ def test_route_on_gpu_matches_the_torch_router(monkeypatch, router, k_base, p):
 
     from megatron_sparsebalance.ops.sparse_attention import _route_torch, route
 
+    # the module itself: megatron_sparsebalance.ops exports a function of the same name
     sparse_attention = importlib.import_module("megatron_sparsebalance.ops.sparse_attention")
     _impl(router)
     monkeypatch.setattr(sparse_attention, "gpu_router", lambda q, layout: getattr(sparse_attention, f"_route_{router}"))
