@@ -155,17 +155,10 @@ void run_dkdv(const Params& p, int64_t nrows, cudaStream_t s) {
                                                                    static_cast<const T*>(p.dout), p.delta, nrows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  // Head dim 64: the warp-specialised kernel (1.2x faster at 0.5B, 32K). Head dim 128: the plain
-  // one; the specialised one's consumers hold dK and dV in 232 registers and spill (1.2x slower).
   using Sm90 = sm90::DkdvTiles<T, D>;
-  using Sm90Ws = sm90::DkdvWsTiles<T, D>;
   if (use_sm90(p.block, Sm90::KV_ROWS)) {
-    if constexpr (D == 64)
-      launch(sm90::dkdv_ws_kernel<T, D>, dim3(p.NB * (p.block / Sm90Ws::KV_ROWS) * p.G), Sm90Ws::THREADS,
-             Sm90Ws::smem_bytes(), s, p);
-    else
-      launch(sm90::dkdv_kernel<T, D>, dim3(p.NB * (p.block / Sm90::KV_ROWS) * p.G), Sm90::THREADS, Sm90::smem_bytes(),
-             s, p);
+    launch(sm90::dkdv_kernel<T, D>, dim3(p.NB * (p.block / Sm90::KV_ROWS) * p.G), Sm90::THREADS, Sm90::smem_bytes(), s,
+           p);
     return;
   }
   constexpr int QT = Tiles<D>::DKDV_QT;

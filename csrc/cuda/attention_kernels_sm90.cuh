@@ -20,9 +20,8 @@
 // every path, make it serialise every wgmma of the loop (warnings C7515, C7514): each
 // warpgroup waits for all of its products within a step.
 //
-// The forward and dQ (warp-specialised) run for every block size; dK/dV where a block holds
-// whole chunks of its KV_ROWS keys (block 128 and 256), warp-specialised at head dim 64
-// (dkdv_ws_kernel; at 128 its consumers would spill dK and dV). The host dispatch
+// All three are warp-specialised. The forward and dQ run for every block size; dK/dV where a
+// block holds whole chunks of its KV_ROWS keys (block 128 and 256). The host dispatch
 // (attention.cu) keeps the mma.sync kernels for the rest and for other GPUs.
 #pragma once
 
@@ -57,22 +56,36 @@ __device__ __forceinline__ void init_ws_barriers(uint64_t* full, uint64_t* empty
 }
 
 // ---- dK/dV ----------------------------------------------------------------------------------------
-// Linear grid of NB * block / KV_ROWS * G CTAs; CTA of two warpgroups, each owning 64 of the
-// chunk's KV_ROWS keys (M of every product), over query tiles of QT rows (N of the score
-// products, K of the gradient products). Per tile, in each warpgroup:
+// Linear grid of NB * block / KV_ROWS * G CTAs; CTA of three warpgroups: a producer that copies
+// the chunk's K and V once and then the walk's query tiles of QT rows into a ring of STAGES
+// buffers, and two consumers, each owning 64 of the chunk's KV_ROWS keys (M of every product),
+// over the query tiles (N of the score products, K of the gradient products). Per tile, in each
+// consumer:
 //   S^T = K Q^T and dP^T = V dO^T   (shared x shared, two commit groups)
 //   P = exp2(S^T - lse), once S^T is done, while dP^T still runs
 //   dS^T = P (dP^T - delta)
 //   dV += P^T dO and dK += dS^T Q  (registers x shared, dO and Q read transposed)
-// Query tiles arrive by cp.async STAGES - 1 tiles ahead: the tile being loaded overwrites the
-// buffer of the previous step, whose products every warpgroup has waited for before the barrier
-// that precedes the load.
+// Buffers pass on mbarriers as in the forward and dQ below ("full": the producer's copies
+// landed; "empty": both consumers are done with it), so no CTA barrier is left in the loop and
+// the consumers drift apart: one's softmax runs while the other's products do.
+//
+// The consumers hold dK and dV in fp32 for the whole walk, 2 D / 8 x 4 registers per thread, and
+// setmaxnreg moves registers to them from the producer, which needs few: 232 at head dim 64, 240
+// at 128, where dK and dV alone take 128 (the producer keeps 24: its one-off K/V copy spills a
+// little, its loop over the tiles does not). Head dim 64 leaves room for query tiles of 128 rows,
+// which halve the products' shared-memory reads per score of K and V.
 template <typename T, int D>
 struct DkdvTiles {
-  static constexpr int KV_ROWS = 2 * WG_ROWS, QT = 64, STAGES = 3, AHEAD = STAGES - 1;
-  static constexpr int THREADS = 2 * WG_THREADS;
+  static constexpr int KV_ROWS = 2 * WG_ROWS, QT = D == 64 ? 128 : 64, STAGES = 4;
+  // setmaxnreg moves registers within what the CTA was launched with (168 per thread at 384
+  // threads): 128 x 40 + 256 x 232 = 128 x 24 + 256 x 240 = 128 x 168 x 3. Asking for more hangs
+  // the consumers.
+  static constexpr int THREADS = 3 * WG_THREADS, PRODUCER_REGS = D == 64 ? 40 : 24,
+                       CONSUMER_REGS = D == 64 ? 232 : 240;
+  static_assert(WG_THREADS * PRODUCER_REGS + 2 * WG_THREADS * CONSUMER_REGS <= THREADS * 168, "register pool");
   static constexpr size_t smem_bytes() {
-    return SW_ALIGN + sizeof(T) * (2 * KV_ROWS + 2 * STAGES * QT) * D + sizeof(float) * 2 * STAGES * QT;
+    return SW_ALIGN + sizeof(T) * (2 * KV_ROWS + 2 * STAGES * QT) * D + sizeof(float) * 2 * STAGES * QT +
+           sizeof(uint64_t) * (2 * STAGES + 1);
   }
 };
 
@@ -92,33 +105,36 @@ struct CopySlice {
 // Query tile of the walk's position, by cp.async from the NT threads that call it: Q and dO rows
 // into swizzled tiles, lse and delta beside them. Rows past the block get zero Q, dO, lse and
 // delta, which add nothing (see the mma.sync dkdv_kernel). A row's index is query_row's,
-// refactored so that only the token (one wide multiply) depends on the row.
+// refactored so that only the token (one wide multiply) depends on the row, and kept as a 32-bit
+// offset from the block's first row: the producer issues these copies beside the consumers, on
+// the same schedulers, and 64-bit index arithmetic had tripled its instructions per tile.
 template <typename T, int D, int QT, int NT>
 __device__ __forceinline__ void load_query_tile(T* q_dst, T* do_dst, float* lse_dst, float* dl_dst,
                                                 const QueryWalk<QT>& w, int g, const Params& p) {
   using Slice = CopySlice<D, NT, QT>;
   const Slice sl;
-  // query_row(q0, gr, tok, g, p) = row0 + gr + tok (HQ - R)
+  // query_row(q0, gr, tok, g, p) = row0 + gr + tok (HQ - R). A block's rows span fewer than
+  // block * HQ rows from row0, so gr + tok (HQ - R) and its product with D fit in an int.
   const int64_t row0 = (int64_t)w.q0 * p.HQ + g * p.R;
-  const T* q = static_cast<const T*>(p.q) + sl.c;
-  const T* dout = static_cast<const T*>(p.dout) + sl.c;
+  auto row_offset = [&](int gr, bool valid) { return valid ? gr + div_r(gr, p) * (p.HQ - p.R) : 0u; };
+  const char* q = reinterpret_cast<const char*>(static_cast<const T*>(p.q) + row0 * D + sl.c);
+  const char* dout = reinterpret_cast<const char*>(static_cast<const T*>(p.dout) + row0 * D + sl.c);
 #pragma unroll
   for (int j = 0; j < Slice::N; ++j) {
     const int gr = w.r0 + sl.r + j * Slice::ROW_STEP;
     const bool valid = gr < w.qrows;
-    const int64_t row = valid ? row0 + gr + (int64_t)div_r(gr, p) * (p.HQ - p.R) : 0;
-    cp_async16(q_dst + sl.smem_off + Slice::step(j), q + row * D, valid);
-    cp_async16(do_dst + sl.smem_off + Slice::step(j), dout + row * D, valid);
+    const uint32_t bytes = row_offset(gr, valid) * uint32_t(D * sizeof(T));
+    cp_async16(q_dst + sl.smem_off + Slice::step(j), q + bytes, valid);
+    cp_async16(do_dst + sl.smem_off + Slice::step(j), dout + bytes, valid);
   }
-  static_assert(2 * QT <= NT, "one lse or delta value per thread at most");
-  if (threadIdx.x < 2 * QT) {
-    const int i = threadIdx.x % QT, gr = w.r0 + i;
+  static_assert(QT <= NT || QT % NT == 0, "threads share the lse and delta values evenly");
+#pragma unroll
+  for (int i = threadIdx.x; i < QT; i += NT) {
+    const int gr = w.r0 + i;
     const bool valid = gr < w.qrows;
-    const int64_t row = valid ? row0 + gr + (int64_t)div_r(gr, p) * (p.HQ - p.R) : 0;
-    if (threadIdx.x < QT)
-      cp_async4(lse_dst + i, p.lse + row, valid);
-    else
-      cp_async4(dl_dst + i, p.delta + row, valid);
+    const int off = row_offset(gr, valid);
+    cp_async4(lse_dst + i, p.lse + row0 + off, valid);
+    cp_async4(dl_dst + i, p.delta + row0 + off, valid);
   }
 }
 
@@ -134,14 +150,17 @@ __device__ __forceinline__ void product_over_head_dim(float (&acc)[N / 8][4], ui
   wgmma_commit();
 }
 
-// One query tile of a warpgroup's 64 keys, for both dK/dV kernels: the four products and the
-// scores between them (the sequence in the comment above). dK's products are left in flight.
+// One query tile of a consumer's 64 keys: the four products and the scores between them (the
+// sequence in the comment above). dK's products are left in flight.
 template <typename T, int D, int KV_ROWS, int QT, bool DIAG>
 __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[1][D / 8][4], uint64_t k_desc,
                                           uint64_t v_desc, const T* Qc, const T* dOc, const float* lse_c,
                                           const float* dl_c, int r0, int wg, int key_tok, int lane,
                                           const Params& p) {
   constexpr int NJ = QT / 8;
+  // Query tiles of 128 rows leave no room for P in fp32 beside dK, dV and dP^T: dS then takes P
+  // from its 16-bit A fragments (one more rounding of P inside dS, which is rounded anyway).
+  constexpr bool P_FROM_FRAGS = QT > 64;
   const uint64_t q_k = kmajor_tile<QT>(Qc), do_k = kmajor_tile<QT>(dOc);
   const uint64_t q_mn = mnmajor_tile<T, QT>(Qc), do_mn = mnmajor_tile<T, QT>(dOc);
   float st[1][NJ][4], dpt[1][NJ][4];
@@ -149,18 +168,17 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
   product_over_head_dim<T, D, KV_ROWS, QT>(st[0], k_desc, wg * WG_ROWS, q_k);
   product_over_head_dim<T, D, KV_ROWS, QT>(dpt[0], v_desc, wg * WG_ROWS, do_k);
   wgmma_wait<1>();  // S^T done; dP^T may still run
-  // This lane's columns of the tile come in adjacent pairs: one 8-byte load per pair.
-  float2 lse2[NJ];
 #pragma unroll
-  for (int j = 0; j < NJ; ++j) lse2[j] = *reinterpret_cast<const float2*>(lse_c + 8 * j + 2 * (lane % 4));
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
+  for (int j = 0; j < NJ; ++j) {
+    // This lane's columns of the tile come in adjacent pairs: one 8-byte load per pair.
+    const float2 lse2 = *reinterpret_cast<const float2*>(lse_c + 8 * j + 2 * (lane % 4));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int col = 8 * j + 2 * (lane % 4) + (e & 1);
-      const float pe = exp2f(fmaf(st[0][j][e], p.scale_log2, -(e & 1 ? lse2[j].y : lse2[j].x)));
+      const float pe = exp2f(fmaf(st[0][j][e], p.scale_log2, -(e & 1 ? lse2.y : lse2.x)));
       st[0][j][e] = DIAG && key_tok + 8 * (e / 2) > div_r(r0 + col, p) ? 0.f : pe;
     }
+  }
   uint32_t pa[1][QT / 16][4];
   to_a_frags<T, 1, QT>(pa, st);
   wgmma_fence();
@@ -175,7 +193,8 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
     for (int h = 0; h < 4; ++h) {  // dS = P (dP - delta), straight into A fragments (to_a_frags' order)
       const int j = 2 * s + h / 2, e0 = 2 * (h % 2);
       const float2 dl = *reinterpret_cast<const float2*>(dl_c + 8 * j + 2 * (lane % 4));
-      da[0][s][h] = pack2<T>(st[0][j][e0] * (dpt[0][j][e0] - dl.x), st[0][j][e0 + 1] * (dpt[0][j][e0 + 1] - dl.y));
+      const float2 pr = P_FROM_FRAGS ? unpack2<T>(pa[0][s][h]) : make_float2(st[0][j][e0], st[0][j][e0 + 1]);
+      da[0][s][h] = pack2<T>(pr.x * (dpt[0][j][e0] - dl.x), pr.y * (dpt[0][j][e0 + 1] - dl.y));
     }
   wgmma_fence();
 #pragma unroll
@@ -207,120 +226,22 @@ template <typename T, int D>
 __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tiles = DkdvTiles<T, D>;
-  constexpr int KV_ROWS = Tiles::KV_ROWS, QT = Tiles::QT, STAGES = Tiles::STAGES, AHEAD = Tiles::AHEAD;
-  constexpr int NT = Tiles::THREADS;
-  using KvLayout = Swizzled128<KV_ROWS>;
+  constexpr int KV_ROWS = Tiles::KV_ROWS, QT = Tiles::QT, STAGES = Tiles::STAGES;
   extern __shared__ unsigned char smem_raw[];
   // Swizzled tiles start on a 1024-byte boundary (smem_bytes reserves the slack).
   T* Ks = reinterpret_cast<T*>(smem_raw + ((SW_ALIGN - smem_u32(smem_raw) % SW_ALIGN) % SW_ALIGN));
   T* Vs = Ks + KV_ROWS * D;
-  T* Qs = Vs + KV_ROWS * D;      // STAGES buffers of QT rows
+  T* Qs = Vs + KV_ROWS * D;       // STAGES buffers of QT rows
   T* dOs = Qs + STAGES * QT * D;  // STAGES buffers
   float* lse_s = reinterpret_cast<float*>(dOs + STAGES * QT * D);  // [STAGES][QT]
   float* dl_s = lse_s + STAGES * QT;                              // [STAGES][QT]
-
-  // Linear grid, group fastest: both groups' chunks of a KV block start together. Early blocks
-  // have the longest query lists (every later query block can select them), so the longest
-  // CTAs of every group start first rather than group 1's after all of group 0's.
-  const int nsub = p.block / KV_ROWS, g = blockIdx.x % p.G, chunk = blockIdx.x / p.G;
-  const int kb = chunk / nsub, n0 = (chunk % nsub) * KV_ROWS;
-  const int b0 = p.bstart[kb], blen = p.bend[kb] - b0;
-  if (n0 >= blen) return;
-  const int nvalid = min(KV_ROWS, blen - n0);
-  const int wg = threadIdx.x / WG_THREADS, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
-  auto load_tile = [&](const QueryWalk<QT>& w, int buf) {
-    load_query_tile<T, D, QT, NT>(Qs + buf * QT * D, dOs + buf * QT * D, lse_s + buf * QT, dl_s + buf * QT, w, g, p);
-  };
-
-  // K and V travel with the first query tile; every step then commits exactly one group (maybe
-  // empty), so "all but the newest AHEAD - 1 groups" is always the tile about to be used.
-  load_kv_rows<T, D, NT, KV_ROWS, KvLayout>(Ks, static_cast<const T*>(p.k), b0 + n0, nvalid, g, p.G);
-  load_kv_rows<T, D, NT, KV_ROWS, KvLayout>(Vs, static_cast<const T*>(p.v), b0 + n0, nvalid, g, p.G);
-  QueryWalk<QT> walk(p, g, kb, n0);  // the tile being multiplied
-  QueryWalk<QT> ahead = walk;        // the next tile to load
-#pragma unroll
-  for (int s = 0; s < AHEAD; ++s) {
-    if (!ahead.done()) {
-      load_tile(ahead, s);
-      ahead.next(p);
-    }
-    cp_async_commit();
-  }
-
-  const uint64_t k_desc = kmajor_tile<KV_ROWS>(Ks), v_desc = kmajor_tile<KV_ROWS>(Vs);
-  const int key_tok = n0 + wg * WG_ROWS + warp * 16 + lane / 4;  // this lane's keys: key_tok + 8 h
-  // One 64-row tile per warpgroup; the [1] makes them the MI = 1 tiles of the mma.sync helpers.
-  float dk[1][D / 8][4], dv[1][D / 8][4];
-  zero(dk);
-  zero(dv);
-
-  // One step per query tile; `diag` (std::true_type for the diagonal block's tiles, the walk's
-  // last) compiles the causal mask into the steps that need it only.
-  auto step = [&](int it, auto diag) {
-    const int buf = it % STAGES;
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(AHEAD - 1) : "memory");
-    fence_proxy_async();
-    __syncthreads();  // tile `buf` is visible; every warpgroup is done with tile it - 1's buffer
-    if (!ahead.done()) {
-      load_tile(ahead, (it + AHEAD) % STAGES);
-      ahead.next(p);
-    }
-    cp_async_commit();
-    dkdv_tile<T, D, KV_ROWS, QT, decltype(diag)::value>(dk, dv, k_desc, v_desc, Qs + buf * QT * D, dOs + buf * QT * D,
-                                                        lse_s + buf * QT, dl_s + buf * QT, walk.r0, wg, key_tok, lane,
-                                                        p);
-    walk.next(p);
-    // Waiting here rather than in the next tile: ptxas serialises every wgmma of the loop when
-    // accumulators are in flight across its back edge (warning C7515). The other warpgroup keeps
-    // the tensor cores busy meanwhile.
-    wgmma_wait<0>();
-  };
-  int it = 0;
-  for (; !walk.done() && !walk.diag(); ++it) step(it, std::false_type{});
-  for (; !walk.done(); ++it) step(it, std::true_type{});
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // no copy outlives the CTA
-  store_dkdv<T, D>(dk, dv, key_tok - n0, nvalid, b0 + n0, g, lane, p);
-#else
-  __trap();  // built without sm_90a: attention.cu launches the mma.sync kernels instead
-#endif
-}
-
-// ---- dK/dV, warp-specialised ---------------------------------------------------------------------
-// The dK/dV kernel above with its loads moved to a third warpgroup: the producer issues every
-// cp.async (K/V once, then the query tiles STAGES deep) and signals each buffer on a "full"
-// mbarrier; the two consumer warpgroups only multiply, and hand each buffer back on an "empty"
-// mbarrier. No CTA-wide barrier is left in the loop, so the consumers drift apart and one's
-// softmax runs while the other's products do. setmaxnreg moves registers from the producer
-// (which needs few) to the consumers (which hold dK and dV).
-template <typename T, int D>
-struct DkdvWsTiles {
-  static constexpr int KV_ROWS = 2 * WG_ROWS, QT = 64, STAGES = 4;
-  // setmaxnreg moves registers within what the CTA was launched with (168 per thread at 384
-  // threads): 128 x 40 + 256 x 232 = 128 x 168 x 3. Asking for more hangs the consumers.
-  static constexpr int THREADS = 3 * WG_THREADS, PRODUCER_REGS = 40, CONSUMER_REGS = 232;
-  static_assert(WG_THREADS * PRODUCER_REGS + 2 * WG_THREADS * CONSUMER_REGS <= THREADS * 168, "register pool");
-  static constexpr size_t smem_bytes() {
-    return SW_ALIGN + sizeof(T) * (2 * KV_ROWS + 2 * STAGES * QT) * D + sizeof(float) * 2 * STAGES * QT +
-           sizeof(uint64_t) * (2 * STAGES + 1);
-  }
-};
-
-template <typename T, int D>
-__global__ void __launch_bounds__(DkdvWsTiles<T, D>::THREADS, 1) dkdv_ws_kernel(Params p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Tiles = DkdvWsTiles<T, D>;
-  constexpr int KV_ROWS = Tiles::KV_ROWS, QT = Tiles::QT, STAGES = Tiles::STAGES;
-  extern __shared__ unsigned char smem_raw[];
-  T* Ks = reinterpret_cast<T*>(smem_raw + ((SW_ALIGN - smem_u32(smem_raw) % SW_ALIGN) % SW_ALIGN));
-  T* Vs = Ks + KV_ROWS * D;
-  T* Qs = Vs + KV_ROWS * D;
-  T* dOs = Qs + STAGES * QT * D;
-  float* lse_s = reinterpret_cast<float*>(dOs + STAGES * QT * D);
-  float* dl_s = lse_s + STAGES * QT;
   uint64_t* full = reinterpret_cast<uint64_t*>(dl_s + STAGES * QT);
   uint64_t* empty = full + STAGES;
   uint64_t* kv_full = empty + STAGES;
 
+  // Linear grid, group fastest: both groups' chunks of a KV block start together. Early blocks
+  // have the longest query lists (every later query block can select them), so the longest
+  // CTAs of every group start first rather than group 1's after all of group 0's.
   const int nsub = p.block / KV_ROWS, g = blockIdx.x % p.G, chunk = blockIdx.x / p.G;
   const int kb = chunk / nsub, n0 = (chunk % nsub) * KV_ROWS;
   const int b0 = p.bstart[kb], blen = p.bend[kb] - b0;
@@ -344,36 +265,41 @@ __global__ void __launch_bounds__(DkdvWsTiles<T, D>::THREADS, 1) dkdv_ws_kernel(
       mbar_arrive_cp_async(full + buf);
       w.next(p);
     }
-    cp_async_wait_all();
+    cp_async_wait_all();  // no copy outlives the CTA
   } else {  // consumers: the two warpgroups that multiply
-  regs_inc<Tiles::CONSUMER_REGS>();
-  const int wg = threadIdx.x / WG_THREADS - 1, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
-  const uint64_t k_desc = kmajor_tile<KV_ROWS>(Ks), v_desc = kmajor_tile<KV_ROWS>(Vs);
-  const int key_tok = n0 + wg * WG_ROWS + warp * 16 + lane / 4;
-  float dk[1][D / 8][4], dv[1][D / 8][4];
-  zero(dk);
-  zero(dv);
-  mbar_wait(kv_full, 0);
-  QueryWalk<QT> walk(p, g, kb, n0);
-  auto step = [&](int it, auto diag) {  // as dkdv_kernel's
-    const int buf = it % STAGES;
-    mbar_wait(full + buf, (it / STAGES) & 1);
-    fence_proxy_async();
-    dkdv_tile<T, D, KV_ROWS, QT, decltype(diag)::value>(dk, dv, k_desc, v_desc, Qs + buf * QT * D, dOs + buf * QT * D,
-                                                        lse_s + buf * QT, dl_s + buf * QT, walk.r0, wg, key_tok, lane,
-                                                        p);
-    walk.next(p);
-    wgmma_wait<0>();
-    mbar_arrive(empty + buf);
-  };
-  int it = 0;
-  for (; !walk.done() && !walk.diag(); ++it) step(it, std::false_type{});
-  for (; !walk.done(); ++it) step(it, std::true_type{});
-
-  store_dkdv<T, D>(dk, dv, key_tok - n0, nvalid, b0 + n0, g, lane, p);
+    regs_inc<Tiles::CONSUMER_REGS>();
+    const int wg = threadIdx.x / WG_THREADS - 1, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
+    const uint64_t k_desc = kmajor_tile<KV_ROWS>(Ks), v_desc = kmajor_tile<KV_ROWS>(Vs);
+    const int key_tok = n0 + wg * WG_ROWS + warp * 16 + lane / 4;  // this lane's keys: key_tok + 8 h
+    // One 64-row tile per warpgroup; the [1] makes them the MI = 1 tiles of the mma.sync helpers.
+    float dk[1][D / 8][4], dv[1][D / 8][4];
+    zero(dk);
+    zero(dv);
+    mbar_wait(kv_full, 0);
+    QueryWalk<QT> walk(p, g, kb, n0);
+    // One step per query tile; `diag` (std::true_type for the diagonal block's tiles, the walk's
+    // last) compiles the causal mask into the steps that need it only.
+    auto step = [&](int it, auto diag) {
+      const int buf = it % STAGES;
+      mbar_wait(full + buf, (it / STAGES) & 1);
+      fence_proxy_async();
+      dkdv_tile<T, D, KV_ROWS, QT, decltype(diag)::value>(dk, dv, k_desc, v_desc, Qs + buf * QT * D,
+                                                          dOs + buf * QT * D, lse_s + buf * QT, dl_s + buf * QT,
+                                                          walk.r0, wg, key_tok, lane, p);
+      walk.next(p);
+      // Waiting here rather than in the next tile: ptxas serialises every wgmma of the loop when
+      // accumulators are in flight across its back edge (warning C7515). The other consumer keeps
+      // the tensor cores busy meanwhile.
+      wgmma_wait<0>();
+      mbar_arrive(empty + buf);
+    };
+    int it = 0;
+    for (; !walk.done() && !walk.diag(); ++it) step(it, std::false_type{});
+    for (; !walk.done(); ++it) step(it, std::true_type{});
+    store_dkdv<T, D>(dk, dv, key_tok - n0, nvalid, b0 + n0, g, lane, p);
   }
 #else
-  __trap();
+  __trap();  // built without sm_90a: attention.cu launches the mma.sync kernels instead
 #endif
 }
 
