@@ -106,15 +106,15 @@ struct CopySlice {
 // into swizzled tiles, lse and delta beside them. Rows past the block get zero Q, dO, lse and
 // delta, which add nothing (see the mma.sync dkdv_kernel). A row's index is query_row's,
 // refactored so that only the token (one wide multiply) depends on the row, and kept as a 32-bit
-// offset from the block's first row: the producer issues these copies beside the consumers, on
-// the same schedulers, and 64-bit index arithmetic had tripled its instructions per tile.
+// offset from the block's first row: the producer issues these copies on the consumers'
+// schedulers, and 64-bit index arithmetic had been a third of its instructions per tile.
 template <typename T, int D, int QT, int NT>
 __device__ __forceinline__ void load_query_tile(T* q_dst, T* do_dst, float* lse_dst, float* dl_dst,
                                                 const QueryWalk<QT>& w, int g, const Params& p) {
   using Slice = CopySlice<D, NT, QT>;
   const Slice sl;
   // query_row(q0, gr, tok, g, p) = row0 + gr + tok (HQ - R). A block's rows span fewer than
-  // block * HQ rows from row0, so gr + tok (HQ - R) and its product with D fit in an int.
+  // block * HQ rows from row0, so gr + tok (HQ - R), in rows or in bytes, fits in 32 bits.
   const int64_t row0 = (int64_t)w.q0 * p.HQ + g * p.R;
   auto row_offset = [&](int gr, bool valid) { return valid ? gr + div_r(gr, p) * (p.HQ - p.R) : 0u; };
   const char* q = reinterpret_cast<const char*>(static_cast<const T*>(p.q) + row0 * D + sl.c);
