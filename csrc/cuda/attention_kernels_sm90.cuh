@@ -35,6 +35,13 @@ namespace sm90 {
 constexpr int WG_THREADS = 128;  // one warpgroup
 constexpr int WG_ROWS = 64;      // rows of one wgmma tile (m64)
 
+// Whether one producer warpgroup at `producer` registers and two consumers at `consumer` fit the
+// registers a CTA of three warpgroups is launched with (__launch_bounds__(384, 1): 168 per
+// thread). setmaxnreg only moves registers within that pool: asking for more hangs the consumers.
+constexpr bool fits_register_pool(int producer, int consumer) {
+  return WG_THREADS * producer + 2 * WG_THREADS * consumer <= 3 * WG_THREADS * 168;
+}
+
 template <int ROWS>
 struct Swizzled128 {
   __device__ static int offset(int r, int c) { return sw128_offset<ROWS>(r, c); }
@@ -77,12 +84,10 @@ __device__ __forceinline__ void init_ws_barriers(uint64_t* full, uint64_t* empty
 template <typename T, int D>
 struct DkdvTiles {
   static constexpr int KV_ROWS = 2 * WG_ROWS, QT = D == 64 ? 128 : 64, STAGES = 4;
-  // setmaxnreg moves registers within what the CTA was launched with (168 per thread at 384
-  // threads): 128 x 40 + 256 x 232 = 128 x 24 + 256 x 240 = 128 x 168 x 3. Asking for more hangs
-  // the consumers.
+  // 128 x 40 + 256 x 232 = 128 x 24 + 256 x 240 = the whole pool.
   static constexpr int THREADS = 3 * WG_THREADS, PRODUCER_REGS = D == 64 ? 40 : 24,
                        CONSUMER_REGS = D == 64 ? 232 : 240;
-  static_assert(WG_THREADS * PRODUCER_REGS + 2 * WG_THREADS * CONSUMER_REGS <= THREADS * 168, "register pool");
+  static_assert(fits_register_pool(PRODUCER_REGS, CONSUMER_REGS), "register pool");
   static constexpr size_t smem_bytes() {
     return SW_ALIGN + sizeof(T) * (2 * KV_ROWS + 2 * STAGES * QT) * D + sizeof(float) * 2 * STAGES * QT +
            sizeof(uint64_t) * (2 * STAGES + 1);
@@ -319,10 +324,9 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Param
 // (C7515): every step waits for all of its own.
 template <typename T, int D, int QUERY_TILES, int CH>
 struct QueryTiles {
-  // setmaxnreg moves registers within what the CTA was launched with (168 per thread at 384
-  // threads): 128 x 56 + 256 x 224 = 128 x 168 x 3. Asking for more hangs the consumers.
+  // 128 x 56 + 256 x 224 = the whole pool.
   static constexpr int BM = 2 * WG_ROWS, THREADS = 3 * WG_THREADS, PRODUCER_REGS = 56, CONSUMER_REGS = 224;
-  static_assert(WG_THREADS * PRODUCER_REGS + 2 * WG_THREADS * CONSUMER_REGS <= THREADS * 168, "register pool");
+  static_assert(fits_register_pool(PRODUCER_REGS, CONSUMER_REGS), "register pool");
   // As many chunk stages as an SM's 227 KB of shared memory holds beside the query tiles (a
   // consumer holds two chunks, so the third is the producer's lead), four at most.
   static constexpr int SMEM_LIMIT = 227 * 1024, BARRIERS = 64;
