@@ -113,22 +113,23 @@ Params make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k
 // Keys per K/V chunk of the wgmma forward and dQ where blocks hold whole chunks of them and
 // shared memory holds three stages of them (QueryTiles): 128 against 64 was 1.07-1.16x faster
 // at 0.5B and equal at 3B (S = 32K/64K, one H200). dQ at head dim 128 keeps Q and dO tiles
-// beside the chunks, which leaves room for three stages of 64 keys only.
-template <typename T, int D, int QUERY_TILES>
+// beside the chunks, and the forward there a Q tile of three consumers' rows: both leave room
+// for three stages of 64 keys only (and the forward's consumers registers for no more).
+template <typename T, int D, int QUERY_TILES, int CONSUMERS>
 constexpr int sm90_chunk() {
-  return kernels::sm90::QueryTiles<T, D, QUERY_TILES, 128>::FITS ? 128 : kernels::CHUNK;
+  return kernels::sm90::QueryTiles<T, D, QUERY_TILES, 128, CONSUMERS>::FITS ? 128 : kernels::CHUNK;
 }
 
 // Launches the wgmma forward or dQ (QUERY_TILES 1 or 2) if this GPU and block size take them:
-// `large` runs chunks of sm90_chunk() keys where the block holds whole ones, `small` chunks of
+// `large` runs chunks of LARGE_CHUNK keys where the block holds whole ones, `small` chunks of
 // CHUNK. One CTA per (query tile, group), linear grid (see QueryCta). Returns whether it launched.
-template <typename T, int D, int QUERY_TILES, typename KernelLarge, typename KernelSmall>
+template <typename T, int D, int QUERY_TILES, int CONSUMERS, int LARGE_CHUNK, typename KernelLarge,
+          typename KernelSmall>
 bool run_query_sm90(KernelLarge large, KernelSmall small, const Params& p, cudaStream_t s) {
   using namespace kernels;
   if (!use_sm90(p.block, CHUNK)) return false;
-  constexpr int LARGE_CHUNK = sm90_chunk<T, D, QUERY_TILES>();
-  using Large = sm90::QueryTiles<T, D, QUERY_TILES, LARGE_CHUNK>;
-  using Small = sm90::QueryTiles<T, D, QUERY_TILES, CHUNK>;
+  using Large = sm90::QueryTiles<T, D, QUERY_TILES, LARGE_CHUNK, CONSUMERS>;
+  using Small = sm90::QueryTiles<T, D, QUERY_TILES, CHUNK, CONSUMERS>;
   static_assert(Large::BM == Small::BM && Large::THREADS == Small::THREADS, "same CTA either way");
   const dim3 grid(query_tiles(p, Large::BM) * p.G);
   if (p.block % LARGE_CHUNK == 0)
@@ -141,7 +142,9 @@ bool run_query_sm90(KernelLarge large, KernelSmall small, const Params& p, cudaS
 template <typename T, int D>
 void run_fwd(const Params& p, cudaStream_t s) {
   using namespace kernels;
-  if (run_query_sm90<T, D, 1>(sm90::fwd_kernel<T, D, sm90_chunk<T, D, 1>()>, sm90::fwd_kernel<T, D, CHUNK>, p, s)) return;
+  constexpr int WGS = sm90::FWD_CONSUMERS, LARGE = sm90_chunk<T, D, 1, WGS>();
+  if (run_query_sm90<T, D, 1, WGS, LARGE>(sm90::fwd_kernel<T, D, LARGE, WGS>, sm90::fwd_kernel<T, D, CHUNK, WGS>, p, s))
+    return;
   constexpr int MI = Tiles<D>::FWD_MI, BM = QUERY_WARPS * MI * WARP_ROWS;
   launch(fwd_kernel<T, D, QUERY_WARPS, MI>, dim3(query_tiles(p, BM), p.G), QUERY_WARPS * 32, fwd_smem<T, D, BM>(), s,
          p);
@@ -169,7 +172,9 @@ void run_dkdv(const Params& p, int64_t nrows, cudaStream_t s) {
 template <typename T, int D>
 void run_dq(const Params& p, cudaStream_t s) {
   using namespace kernels;
-  if (run_query_sm90<T, D, 2>(sm90::dq_kernel<T, D, sm90_chunk<T, D, 2>()>, sm90::dq_kernel<T, D, CHUNK>, p, s)) return;
+  constexpr int WGS = sm90::DQ_CONSUMERS, LARGE = sm90_chunk<T, D, 2, WGS>();
+  if (run_query_sm90<T, D, 2, WGS, LARGE>(sm90::dq_kernel<T, D, LARGE, WGS>, sm90::dq_kernel<T, D, CHUNK, WGS>, p, s))
+    return;
   constexpr int MI = Tiles<D>::DQ_MI, BM = QUERY_WARPS * MI * WARP_ROWS;
   launch(dq_kernel<T, D, QUERY_WARPS, MI>, dim3(query_tiles(p, BM), p.G), QUERY_WARPS * 32, dq_smem<T, D, BM>(), s,
          p);

@@ -5,15 +5,15 @@
 // product before the next that accumulates into the same registers. wgmma reads its B operand
 // (and A, unless it comes from registers) straight from shared memory and runs asynchronously:
 // a warpgroup issues a whole chain of products at once, computes on while the later ones run
-// (P while dP^T runs, dS while dV's products run), and the two warpgroups of a CTA interleave
-// on the tensor cores.
+// (P while dP^T runs, dS while dV's products run), and the warpgroups of a CTA interleave on
+// the tensor cores.
 //
 // What set their speed, measured on one H200 (docs/BENCHMARKS.md): the order in which CTAs start
 // (the longest first, see the grids below); warp specialisation (a producer warpgroup copies,
-// two consumers multiply, and mbarriers rather than CTA barriers pass the buffers, so the
-// consumers drift apart and one's exponentials overlap the other's products); and the
-// instructions around the products, since two consumer warps per scheduler are all there is
-// to issue from: no integer division by R,
+// two or three consumers multiply, and mbarriers rather than CTA barriers pass the buffers, so
+// the consumers drift apart and one's exponentials overlap another's products); and the
+// instructions around the products, since two or three consumer warps per scheduler are all
+// there is to issue from: no integer division by R,
 // copies whose addresses are set up once per CTA, the causal mask compiled only into the
 // diagonal block's steps, the softmax scale folded into the exponential's multiply-add. Products
 // in flight across a loop's back edge, or waits that ptxas cannot match to their products on
@@ -35,11 +35,15 @@ namespace sm90 {
 constexpr int WG_THREADS = 128;  // one warpgroup
 constexpr int WG_ROWS = 64;      // rows of one wgmma tile (m64)
 
-// Whether one producer warpgroup at `producer` registers and two consumers at `consumer` fit the
-// registers a CTA of three warpgroups is launched with (__launch_bounds__(384, 1): 168 per
-// thread). setmaxnreg only moves registers within that pool: asking for more hangs the consumers.
-constexpr bool fits_register_pool(int producer, int consumer) {
-  return WG_THREADS * producer + 2 * WG_THREADS * consumer <= 3 * WG_THREADS * 168;
+// Registers per thread of a CTA launched with __launch_bounds__(threads, 1): the SM's 64K over
+// its threads, rounded down to 8 (168 for three warpgroups, 128 for four).
+constexpr int launch_registers(int threads) { return 65536 / threads / 8 * 8; }
+
+// Whether one producer warpgroup at `producer` registers and `consumers` warpgroups at `consumer`
+// fit that pool. setmaxnreg only moves registers within it: asking for more hangs the consumers.
+constexpr bool fits_register_pool(int producer, int consumer, int consumers) {
+  const int threads = (consumers + 1) * WG_THREADS;
+  return WG_THREADS * (producer + consumers * consumer) <= threads * launch_registers(threads);
 }
 
 template <int ROWS>
@@ -47,14 +51,15 @@ struct Swizzled128 {
   __device__ static int offset(int r, int c) { return sw128_offset<ROWS>(r, c); }
 };
 
-// The mbarriers of a warp-specialised CTA (one producer warpgroup, two consumers): per stage
-// "full" (every producer thread's copies landed) and "empty" (every consumer thread is done
+// The mbarriers of a warp-specialised CTA (one producer warpgroup, `consumers` consumers): per
+// stage "full" (every producer thread's copies landed) and "empty" (every consumer thread is done
 // with the buffer), and `once` for the operands copied once. Every thread calls it.
-__device__ __forceinline__ void init_ws_barriers(uint64_t* full, uint64_t* empty, int stages, uint64_t* once) {
+__device__ __forceinline__ void init_ws_barriers(uint64_t* full, uint64_t* empty, int stages, uint64_t* once,
+                                                 int consumers = 2) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(full + s, WG_THREADS);
-      mbar_init(empty + s, 2 * WG_THREADS);
+      mbar_init(empty + s, consumers * WG_THREADS);
     }
     mbar_init(once, WG_THREADS);
     mbar_init_fence();
@@ -87,7 +92,7 @@ struct DkdvTiles {
   // 128 x 40 + 256 x 232 = 128 x 24 + 256 x 240 = the whole pool.
   static constexpr int THREADS = 3 * WG_THREADS, PRODUCER_REGS = D == 64 ? 40 : 24,
                        CONSUMER_REGS = D == 64 ? 232 : 240;
-  static_assert(fits_register_pool(PRODUCER_REGS, CONSUMER_REGS), "register pool");
+  static_assert(fits_register_pool(PRODUCER_REGS, CONSUMER_REGS, 2), "register pool");
   static constexpr size_t smem_bytes() {
     return SW_ALIGN + sizeof(T) * (2 * KV_ROWS + 2 * STAGES * QT) * D + sizeof(float) * 2 * STAGES * QT +
            sizeof(uint64_t) * (2 * STAGES + 1);
@@ -309,24 +314,36 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Param
 }
 
 // ---- Forward and dQ ----------------------------------------------------------------------------
-// Linear grid of (query tile, group) CTAs (QueryCta); CTA of three warpgroups: a producer that
-// copies the query tiles once and then the walk's K/V chunks of CH keys (KvWalk) into a ring of
-// STAGES buffers, and two consumers, each owning 64 of the tile's BM query rows (M of every
+// Linear grid of (query tile, group) CTAs (QueryCta); CTA of a producer warpgroup that copies the
+// query tiles once and then the walk's K/V chunks of CH keys (KvWalk) into a ring of STAGES
+// buffers, and CONSUMERS warpgroups, each owning 64 of the tile's BM query rows (M of every
 // product), over the chunks (N of the score products, K of O += P V and dQ += dS K, with V and K
 // read transposed). Buffers pass between them on mbarriers ("full": the producer's copies landed;
-// "empty": both consumers are done with it), so no CTA-wide barrier is left in the loop and the
-// consumers drift apart: one's exponentials run while the other's products do. setmaxnreg moves
+// "empty": every consumer is done with it), so no CTA-wide barrier is left in the loop and the
+// consumers drift apart: one's exponentials run while another's products do. setmaxnreg moves
 // registers from the producer to the consumers, which hold O or dQ and the scores.
+//
+// The forward runs three consumers, dQ two (FWD_CONSUMERS, DQ_CONSUMERS). A step of the forward
+// waits on its products and then on its exponentials, which take the MUFU as long as its two
+// products take the tensor cores at head dim 64: with two consumers per scheduler, neither unit
+// was half busy. A third one (160 registers, so 64-key chunks at head dim 128, where O alone
+// takes 64) made the forward 8-10% faster at 0.5B and 1-6% at 3B (S = 32K/64K, one H200); a
+// fourth (112 registers, 64-key chunks) was up to 9% slower at 0.5B. dQ holds S and dP as well:
+// three consumers fit only with 64-key chunks, and at 0.5B the backward was no faster
+// (docs/BENCHMARKS.md).
 //
 // The product that closes a step (P V, dS K) runs during the next step's exponentials: a
 // consumer issues chunk it's score products and then chunk it - 1's closing product, and hands
 // chunk it - 1 back once that is done. A loop back edge stays free of products in flight
 // (C7515): every step waits for all of its own.
-template <typename T, int D, int QUERY_TILES, int CH>
+constexpr int FWD_CONSUMERS = 3, DQ_CONSUMERS = 2;
+
+template <typename T, int D, int QUERY_TILES, int CH, int CONSUMERS>
 struct QueryTiles {
-  // 128 x 56 + 256 x 224 = the whole pool.
-  static constexpr int BM = 2 * WG_ROWS, THREADS = 3 * WG_THREADS, PRODUCER_REGS = 56, CONSUMER_REGS = 224;
-  static_assert(fits_register_pool(PRODUCER_REGS, CONSUMER_REGS), "register pool");
+  // 128 x 56 + 256 x 224, or 128 x 32 + 384 x 160: the whole pool.
+  static constexpr int BM = CONSUMERS * WG_ROWS, THREADS = (CONSUMERS + 1) * WG_THREADS,
+                       PRODUCER_REGS = CONSUMERS == 2 ? 56 : 32, CONSUMER_REGS = CONSUMERS == 2 ? 224 : 160;
+  static_assert(fits_register_pool(PRODUCER_REGS, CONSUMER_REGS, CONSUMERS), "register pool");
   // As many chunk stages as an SM's 227 KB of shared memory holds beside the query tiles (a
   // consumer holds two chunks, so the third is the producer's lead), four at most.
   static constexpr int SMEM_LIMIT = 227 * 1024, BARRIERS = 64;
@@ -365,9 +382,9 @@ struct ChunkCopier {
 
 // The parts of a forward or dQ CTA that do not depend on what it computes: its query rows, the
 // K/V chunks it walks, the ring of buffers they pass through and its barriers.
-template <typename T, int D, int QUERY_TILES, int CH>
+template <typename T, int D, int QUERY_TILES, int CH, int CONSUMERS>
 struct QueryCta {
-  using Tiles = QueryTiles<T, D, QUERY_TILES, CH>;
+  using Tiles = QueryTiles<T, D, QUERY_TILES, CH, CONSUMERS>;
   static_assert(Tiles::FITS, "three chunk stages at least");
   static constexpr int BM = Tiles::BM, STAGES = Tiles::STAGES;
 
@@ -412,15 +429,18 @@ struct QueryCta {
         if (masked(c, 8 * j + 2 * (lane % 4) + (e & 1), tok[e / 2])) s[j][e] = -INFINITY;
   }
   // Called by every thread: the barriers, then the roles. The producer warpgroup copies the
-  // query tiles from `sources` and the walk's chunks and gets false; the consumers get their
-  // registers and true.
+  // query tiles from `sources` and the walk's chunks and gets false; a consumer whose 64 rows all
+  // lie past the block (the last tile of a block whose rows are not a multiple of BM) gets false
+  // too, and the buffers wait for the others only; the rest get their registers and true.
   __device__ bool start(const KvWalk<CH>& w, const T* const (&sources)[QUERY_TILES], const Params& p) {
-    init_ws_barriers(full, empty, STAGES, queries_full);
+    const int active = min(CONSUMERS, (nrows - row0 + WG_ROWS - 1) / WG_ROWS);
+    init_ws_barriers(full, empty, STAGES, queries_full, active);
     if (threadIdx.x < WG_THREADS) {
       regs_dec<Tiles::PRODUCER_REGS>();
       produce(w, sources, p);
       return false;
     }
+    if (threadIdx.x / WG_THREADS > active) return false;
     regs_inc<Tiles::CONSUMER_REGS>();
     return true;
   }
@@ -493,10 +513,10 @@ __device__ __forceinline__ void accumulate_chunk(float (&acc)[1][D / 8][4], cons
 }
 
 
-template <typename T, int D, int CH>
-__global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kernel(Params p) {
+template <typename T, int D, int CH, int CONSUMERS>
+__global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1) fwd_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cta = QueryCta<T, D, 1, CH>;
+  using Cta = QueryCta<T, D, 1, CH, CONSUMERS>;
   constexpr int BM = Cta::BM, NJ = CH / 8;
   extern __shared__ unsigned char smem_raw[];
   Cta cta(smem_raw, p);
@@ -585,10 +605,10 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH>::THREADS, 1) fwd_kerne
 #endif
 }
 
-template <typename T, int D, int CH>
-__global__ void __launch_bounds__(QueryTiles<T, D, 2, CH>::THREADS, 1) dq_kernel(Params p) {
+template <typename T, int D, int CH, int CONSUMERS>
+__global__ void __launch_bounds__(QueryTiles<T, D, 2, CH, CONSUMERS>::THREADS, 1) dq_kernel(Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cta = QueryCta<T, D, 2, CH>;
+  using Cta = QueryCta<T, D, 2, CH, CONSUMERS>;
   constexpr int BM = Cta::BM, NJ = CH / 8;
   extern __shared__ unsigned char smem_raw[];
   Cta cta(smem_raw, p);
