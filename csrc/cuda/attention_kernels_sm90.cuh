@@ -55,7 +55,7 @@ struct Swizzled128 {
 // stage "full" (every producer thread's copies landed) and "empty" (every consumer thread is done
 // with the buffer), and `once` for the operands copied once. Every thread calls it.
 __device__ __forceinline__ void init_ws_barriers(uint64_t* full, uint64_t* empty, int stages, uint64_t* once,
-                                                 int consumers = 2) {
+                                                 int consumers) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(full + s, WG_THREADS);
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Param
   const int b0 = p.bstart[kb], blen = p.bend[kb] - b0;
   if (n0 >= blen) return;
   const int nvalid = min(KV_ROWS, blen - n0);
-  init_ws_barriers(full, empty, STAGES, kv_full);
+  init_ws_barriers(full, empty, STAGES, kv_full, 2);
 
   if (threadIdx.x < WG_THREADS) {  // producer: threads 0..127 issue the copies
     regs_dec<Tiles::PRODUCER_REGS>();
