@@ -83,9 +83,9 @@ __device__ __forceinline__ void init_ws_barriers(uint64_t* full, uint64_t* empty
 //
 // The consumers hold dK and dV in fp32 for the whole walk, 2 D / 8 x 4 registers per thread, and
 // setmaxnreg moves registers to them from the producer, which needs few: 232 at head dim 64, 240
-// at 128, where dK and dV alone take 128 (the producer keeps 24: its one-off K/V copy spills a
-// little, its loop over the tiles does not). Head dim 64 leaves room for query tiles of 128 rows,
-// which halve the products' shared-memory reads per score of K and V.
+// at 128, where dK and dV alone take 128 (the producer keeps 40 and 24; at 24 its one-off K/V
+// copy spills a little, its loop over the tiles does not). Head dim 64 leaves room for query
+// tiles of 128 rows, which halve the products' shared-memory reads per score of K and V.
 template <typename T, int D>
 struct DkdvTiles {
   static constexpr int KV_ROWS = 2 * WG_ROWS, QT = D == 64 ? 128 : 64, STAGES = 4;
