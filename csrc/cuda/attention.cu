@@ -4,6 +4,9 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
+#include <type_traits>
 
 #include "cuda/attention_kernels.cuh"
 #include "cuda/attention_kernels_sm90.cuh"
@@ -35,12 +38,42 @@ struct Tiles<128> {
 
 constexpr int QUERY_WARPS = 4;
 
-template <typename Kernel>
-void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, const Params& p) {
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, const Args&... args) {
   if (grid.x == 0 || grid.y == 0) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  kernel<<<grid, threads, smem, stream>>>(p);
+  kernel<<<grid, threads, smem, stream>>>(args...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The TMA map of a contiguous, 16-byte aligned [T, H, D] tensor of T's type whose boxes are
+// `tokens` consecutive tokens by `heads` consecutive heads by 64 columns, written into shared
+// memory token-major and 128-byte swizzled: one slab of a wgmma tile (wgmma.cuh). Coordinates
+// outside the tensor read as zeros. The encoder is a driver function; the runtime hands out its
+// address, so the extension links no libcuda.
+template <typename T>
+CUtensorMap row_slab_map(const at::Tensor& x, int heads, int tokens) {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    MSB_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
+              "the CUDA driver has no cuTensorMapEncodeTiled (the Hopper dK/dV kernel needs CUDA 12 or later)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  constexpr int64_t ELEM = sizeof(T);
+  const cuuint64_t dims[3] = {(cuuint64_t)x.size(2), (cuuint64_t)x.size(1), (cuuint64_t)x.size(0)};
+  const cuuint64_t strides[2] = {(cuuint64_t)(x.size(2) * ELEM), (cuuint64_t)(x.size(1) * x.size(2) * ELEM)};
+  const cuuint32_t box[3] = {(cuuint32_t)kernels::sm90::SW_COLS, (cuuint32_t)heads, (cuuint32_t)tokens};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  CUtensorMap map;
+  const CUresult rc = encode(&map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                   : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                             3, x.data_ptr(), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MSB_CHECK(rc == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult ", (int)rc);
+  return map;
 }
 
 // The wgmma kernels (attention_kernels_sm90.cuh) need a Hopper GPU, an sm_90a build (setup.py's
@@ -151,7 +184,8 @@ void run_fwd(const Params& p, cudaStream_t s) {
 }
 
 template <typename T, int D>
-void run_dkdv(const Params& p, int64_t nrows, cudaStream_t s) {
+void run_dkdv(const Params& p, int64_t nrows, cudaStream_t s, const at::Tensor& q, const at::Tensor& dout,
+              const at::Tensor& k, const at::Tensor& v) {
   using namespace kernels;
   if (nrows > 0) {
     delta_kernel<T, D><<<(unsigned)((nrows + 7) / 8), 256, 0, s>>>(static_cast<const T*>(p.o),
@@ -160,8 +194,11 @@ void run_dkdv(const Params& p, int64_t nrows, cudaStream_t s) {
   }
   using Sm90 = sm90::DkdvTiles<T, D>;
   if (use_sm90(p.block, Sm90::KV_ROWS)) {
+    const int heads = sm90::dkdv_tile_heads(Sm90::QT, p.R), tokens = Sm90::QT / heads;
+    const sm90::DkdvMaps maps{row_slab_map<T>(q, heads, tokens), row_slab_map<T>(dout, heads, tokens),
+                              row_slab_map<T>(k, 1, Sm90::KV_ROWS), row_slab_map<T>(v, 1, Sm90::KV_ROWS)};
     launch(sm90::dkdv_kernel<T, D>, dim3(p.NB * (p.block / Sm90::KV_ROWS) * p.G), Sm90::THREADS, Sm90::smem_bytes(), s,
-           p);
+           p, maps);
     return;
   }
   constexpr int QT = Tiles<D>::DKDV_QT;
@@ -203,6 +240,7 @@ std::vector<at::Tensor> sparse_attn_fwd_cuda(const at::Tensor& q, const at::Tens
 void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& lse) {
   MSB_CHECK(dout.sizes() == q.sizes() && dout.is_contiguous() && dout.scalar_type() == q.scalar_type(),
             "dout must be a contiguous [T, HQ, D] tensor of q's dtype");
+  MSB_CHECK(reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 == 0, "dout must be 16-byte aligned");
   MSB_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == q.size(0) &&
                 lse.size(1) == q.size(1),
             "lse must be contiguous float32 [T, HQ]");
@@ -243,7 +281,9 @@ std::vector<at::Tensor> sparse_attn_bwd_dkdv_cuda(const at::Tensor& dout, const 
   p.q_idx = q_idx.data_ptr<int>();
   auto s = at::cuda::getCurrentCUDAStream().stream();
   const int64_t nrows = q.size(0) * q.size(1);
-  dispatch(q, [&](auto kind) { run_dkdv<typename decltype(kind)::type, decltype(kind)::dim>(p, nrows, s); });
+  dispatch(q, [&](auto kind) {
+    run_dkdv<typename decltype(kind)::type, decltype(kind)::dim>(p, nrows, s, q, dout, k, v);
+  });
   return {dk, dv, delta};
 }
 

@@ -25,6 +25,10 @@
 // (attention.cu) keeps the mma.sync kernels for the rest and for other GPUs.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a type only: the host encodes the maps through the runtime)
+
+#include <cmath>
+
 #include "cuda/attention_kernels.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -69,10 +73,10 @@ __device__ __forceinline__ void init_ws_barriers(uint64_t* full, uint64_t* empty
 
 // ---- dK/dV ----------------------------------------------------------------------------------------
 // Linear grid of NB * block / KV_ROWS * G CTAs; CTA of three warpgroups: a producer that copies
-// the chunk's K and V once and then the walk's query tiles of QT rows into a ring of STAGES
-// buffers, and two consumers, each owning 64 of the chunk's KV_ROWS keys (M of every product),
-// over the query tiles (N of the score products, K of the gradient products). Per tile, in each
-// consumer:
+// the chunk's K and V once and then the walk's query tiles of QT rows (BoxWalk) into a ring of
+// STAGES buffers, and two consumers, each owning 64 of the chunk's KV_ROWS keys (M of every
+// product), over the query tiles (N of the score products, K of the gradient products). Per
+// tile, in each consumer:
 //   S^T = K Q^T and dP^T = V dO^T   (shared x shared, two commit groups)
 //   P = exp2(S^T - lse), once S^T is done, while dP^T still runs
 //   dS^T = P (dP^T - delta)
@@ -83,9 +87,9 @@ __device__ __forceinline__ void init_ws_barriers(uint64_t* full, uint64_t* empty
 //
 // The consumers hold dK and dV in fp32 for the whole walk, 2 D / 8 x 4 registers per thread, and
 // setmaxnreg moves registers to them from the producer, which needs few: 232 at head dim 64, 240
-// at 128, where dK and dV alone take 128 (the producer keeps 40 and 24; at 24 its one-off K/V
-// copy spills a little, its loop over the tiles does not). Head dim 64 leaves room for query
-// tiles of 128 rows, which halve the products' shared-memory reads per score of K and V.
+// at 128, where dK and dV alone take 128 (the producer keeps 40 and 24: its copies are TMA boxes
+// and lse and delta). Head dim 64 leaves room for query tiles of 128 rows, which halve the
+// products' shared-memory reads per score of K and V.
 template <typename T, int D>
 struct DkdvTiles {
   static constexpr int KV_ROWS = 2 * WG_ROWS, QT = D == 64 ? 128 : 64, STAGES = 4;
@@ -112,39 +116,84 @@ struct CopySlice {
   __device__ static constexpr int step(int j) { return j * ROW_STEP * SW_COLS; }
 };
 
-// Query tile of the walk's position, by cp.async from the NT threads that call it: Q and dO rows
-// into swizzled tiles, lse and delta beside them. Rows past the block get zero Q, dO, lse and
-// delta, which add nothing (see the mma.sync dkdv_kernel). A row's index is query_row's,
-// refactored so that only the token (one wide multiply) depends on the row, and kept as a 32-bit
-// offset from the block's first row: the producer issues these copies on the consumers'
-// schedulers, and 64-bit index arithmetic had been a third of its instructions per tile.
-template <typename T, int D, int QT, int NT>
-__device__ __forceinline__ void load_query_tile(T* q_dst, T* do_dst, float* lse_dst, float* dl_dst,
-                                                const QueryWalk<QT>& w, int g, const Params& p) {
-  using Slice = CopySlice<D, NT, QT>;
-  const Slice sl;
-  // query_row(q0, gr, tok, g, p) = row0 + gr + tok (HQ - R). A block's rows span fewer than
-  // block * HQ rows from row0, so gr + tok (HQ - R), in rows or in bytes, fits in 32 bits.
-  const int64_t row0 = (int64_t)w.q0 * p.HQ + g * p.R;
-  auto row_offset = [&](int gr, bool valid) { return valid ? gr + div_r(gr, p) * (p.HQ - p.R) : 0u; };
-  const char* q = reinterpret_cast<const char*>(static_cast<const T*>(p.q) + row0 * D + sl.c);
-  const char* dout = reinterpret_cast<const char*>(static_cast<const T*>(p.dout) + row0 * D + sl.c);
-#pragma unroll
-  for (int j = 0; j < Slice::N; ++j) {
-    const int gr = w.r0 + sl.r + j * Slice::ROW_STEP;
-    const bool valid = gr < w.qrows;
-    const uint32_t bytes = row_offset(gr, valid) * uint32_t(D * sizeof(T));
-    cp_async16(q_dst + sl.smem_off + Slice::step(j), q + bytes, valid);
-    cp_async16(do_dst + sl.smem_off + Slice::step(j), dout + bytes, valid);
+// The TMA maps of dK/dV's operands, boxes of 64 columns (one slab of a swizzled tile, see
+// attention.cu's row_slab_map): Q and dO of a query tile's heads and tokens, K and V of KV_ROWS
+// tokens of one head.
+struct DkdvMaps {
+  CUtensorMap q, dout, k, v;
+};
+
+// Heads per dK/dV query tile: a tile of QT rows is QT / R whole tokens of the group's R heads
+// where R divides QT (the rows the forward and dQ pack), else QT tokens of one head. Either is one
+// box of a TMA copy. Packed tiles at other R would start inside a token (R = 7 at 0.5B), and the
+// producer then copied row by row: a quarter of the kernel's instructions, on the consumers'
+// schedulers. The host shapes the maps' boxes by the same rule.
+__host__ __device__ constexpr int dkdv_tile_heads(int qt, int R) { return qt % R == 0 ? R : 1; }
+
+// The query tiles of a dK/dV CTA: for each query block of its KV block's list (the transposed
+// index, walked from the end, so the diagonal block comes last), tiles of `heads` heads (from
+// head h of the group) by QT / heads tokens (from token t of the block). In the diagonal block
+// the walk starts at the first tile that reaches the chunk's keys (n0); earlier rows see none.
+template <int QT>
+struct BoxWalk {
+  int kb, p0, e, heads, tokens, t_diag;
+  int q0, qlen;  // the query block: tokens [q0, q0 + qlen)
+  int h, t;      // the tile's first head (of the group) and first token (of the block)
+
+  __device__ BoxWalk(const Params& p, int g, int kb_, int n0)
+      : kb(kb_), heads(dkdv_tile_heads(QT, p.R)), tokens(QT / heads), t_diag(n0 / tokens * tokens) {
+    p0 = p.q_ptr[g * p.NB + kb];
+    e = p.q_ptr[g * p.NB + kb + 1] - p0 - 1;
+    if (e >= 0) enter(p);
   }
-  static_assert(QT <= NT || QT % NT == 0, "threads share the lse and delta values evenly");
+  __device__ bool done() const { return e < 0; }
+  __device__ bool diag() const { return e == 0; }
+  // Block-relative token of the tile's row i (i / R by div_r where tiles pack the heads).
+  __device__ int token(int i, const Params& p) const { return t + (heads == 1 ? i : div_r(i, p)); }
+  __device__ void next(const Params& p) {
+    t += tokens;
+    if (t < qlen) return;
+    t = e == 0 ? t_diag : 0;
+    h += heads;
+    if (h == p.R && --e >= 0) enter(p);
+  }
+
+ private:
+  __device__ void enter(const Params& p) {
+    const int qb = e == 0 ? kb : p.q_idx[p0 + e];
+    q0 = p.bstart[qb];
+    qlen = p.bend[qb] - q0;
+    h = 0;
+    t = e == 0 ? t_diag : 0;
+  }
+};
+
+// lse of a query row past its block: P = exp2(S - inf) = 0, so the row (whose Q and dO the TMA
+// box takes from the next tokens, or zeros past the tensor) adds nothing to dK and dV.
+static __device__ float past_block_lse = INFINITY;
+
+// The walk's query tile into one stage: Q and dO by TMA from thread 0 (counted on `full`'s
+// transaction bytes), lse and delta of its rows by cp.async from the NT threads that call it.
+template <typename T, int D, int QT, int NT>
+__device__ __forceinline__ void load_query_tile(T* q_dst, T* do_dst, float* lse_dst, float* dl_dst, uint64_t* full,
+                                                const DkdvMaps& maps, const BoxWalk<QT>& w, int g,
+                                                const Params& p) {
+  const int head0 = g * p.R + w.h;
+  if (threadIdx.x == 0) {
+    mbar_expect_tx(full, 2 * QT * D * sizeof(T));
 #pragma unroll
-  for (int i = threadIdx.x; i < QT; i += NT) {
-    const int gr = w.r0 + i;
-    const bool valid = gr < w.qrows;
-    const int off = row_offset(gr, valid);
-    cp_async4(lse_dst + i, p.lse + row0 + off, valid);
-    cp_async4(dl_dst + i, p.delta + row0 + off, valid);
+    for (int c = 0; c < D; c += SW_COLS) {
+      tma_load_3d(q_dst + c * QT, &maps.q, c, head0, w.q0 + w.t, full);
+      tma_load_3d(do_dst + c * QT, &maps.dout, c, head0, w.q0 + w.t, full);
+    }
+  }
+  static_assert(QT <= NT, "one lse and delta value per thread");
+  if (threadIdx.x < QT) {
+    const int i = threadIdx.x, tok = w.token(i, p);
+    const bool valid = tok < w.qlen;
+    const int64_t row = (int64_t)(w.q0 + tok) * p.HQ + head0 + (i - (tok - w.t) * w.heads);
+    cp_async4(lse_dst + i, valid ? p.lse + row : &past_block_lse, true);
+    cp_async4(dl_dst + i, p.delta + row, valid);
   }
 }
 
@@ -161,12 +210,13 @@ __device__ __forceinline__ void product_over_head_dim(float (&acc)[N / 8][4], ui
 }
 
 // One query tile of a consumer's 64 keys: the four products and the scores between them (the
-// sequence in the comment above). dK's products are left in flight.
+// sequence in the comment above). dK's products are left in flight. DIAG masks the keys after
+// each row's token (the walk's; key_tok counts from the same block).
 template <typename T, int D, int KV_ROWS, int QT, bool DIAG>
 __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[1][D / 8][4], uint64_t k_desc,
                                           uint64_t v_desc, const T* Qc, const T* dOc, const float* lse_c,
-                                          const float* dl_c, int r0, int wg, int key_tok, int lane,
-                                          const Params& p) {
+                                          const float* dl_c, const BoxWalk<QT>& walk, int wg, int key_tok,
+                                          int lane, const Params& p) {
   constexpr int NJ = QT / 8;
   // Query tiles of 128 rows leave no room for P in fp32 beside dK, dV and dP^T: dS then takes P
   // from its 16-bit A fragments (one more rounding of P inside dS, which is rounded anyway).
@@ -186,7 +236,7 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
     for (int e = 0; e < 4; ++e) {
       const int col = 8 * j + 2 * (lane % 4) + (e & 1);
       const float pe = exp2f(fmaf(st[0][j][e], p.scale_log2, -(e & 1 ? lse2.y : lse2.x)));
-      st[0][j][e] = DIAG && key_tok + 8 * (e / 2) > div_r(r0 + col, p) ? 0.f : pe;
+      st[0][j][e] = DIAG && key_tok + 8 * (e / 2) > walk.token(col, p) ? 0.f : pe;
     }
   }
   uint32_t pa[1][QT / 16][4];
@@ -233,7 +283,8 @@ __device__ __forceinline__ void store_dkdv(const float (&dk)[1][D / 8][4], const
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Params p) {
+__global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
+    dkdv_kernel(Params p, const __grid_constant__ DkdvMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tiles = DkdvTiles<T, D>;
   constexpr int KV_ROWS = Tiles::KV_ROWS, QT = Tiles::QT, STAGES = Tiles::STAGES;
@@ -259,19 +310,25 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Param
   const int nvalid = min(KV_ROWS, blen - n0);
   init_ws_barriers(full, empty, STAGES, kv_full, 2);
 
-  if (threadIdx.x < WG_THREADS) {  // producer: threads 0..127 issue the copies
+  if (threadIdx.x < WG_THREADS) {  // producer: thread 0 issues the TMA copies, all 128 lse and delta
     regs_dec<Tiles::PRODUCER_REGS>();
-    load_kv_rows<T, D, WG_THREADS, KV_ROWS, Swizzled128<KV_ROWS>>(Ks, static_cast<const T*>(p.k), b0 + n0, nvalid, g,
-                                                                  p.G);
-    load_kv_rows<T, D, WG_THREADS, KV_ROWS, Swizzled128<KV_ROWS>>(Vs, static_cast<const T*>(p.v), b0 + n0, nvalid, g,
-                                                                  p.G);
-    mbar_arrive_cp_async(kv_full);
-    QueryWalk<QT> w(p, g, kb, n0);
+    // K and V rows past the block hold the next tokens (or zeros past the tensor): they only
+    // reach their own rows of dK and dV, which store_dkdv does not write.
+    if (threadIdx.x == 0) {
+      mbar_expect_tx(kv_full, 2 * KV_ROWS * D * sizeof(T));
+#pragma unroll
+      for (int c = 0; c < D; c += SW_COLS) {
+        tma_load_3d(Ks + c * KV_ROWS, &maps.k, c, g, b0 + n0, kv_full);
+        tma_load_3d(Vs + c * KV_ROWS, &maps.v, c, g, b0 + n0, kv_full);
+      }
+    }
+    mbar_arrive(kv_full);
+    BoxWalk<QT> w(p, g, kb, n0);
     for (int j = 0; !w.done(); ++j) {
       const int buf = j % STAGES;
       if (j >= STAGES) mbar_wait(empty + buf, (j / STAGES - 1) & 1);
-      load_query_tile<T, D, QT, WG_THREADS>(Qs + buf * QT * D, dOs + buf * QT * D, lse_s + buf * QT, dl_s + buf * QT, w,
-                                            g, p);
+      load_query_tile<T, D, QT, WG_THREADS>(Qs + buf * QT * D, dOs + buf * QT * D, lse_s + buf * QT, dl_s + buf * QT,
+                                            full + buf, maps, w, g, p);
       mbar_arrive_cp_async(full + buf);
       w.next(p);
     }
@@ -286,16 +343,15 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1) dkdv_kernel(Param
     zero(dk);
     zero(dv);
     mbar_wait(kv_full, 0);
-    QueryWalk<QT> walk(p, g, kb, n0);
+    BoxWalk<QT> walk(p, g, kb, n0);
     // One step per query tile; `diag` (std::true_type for the diagonal block's tiles, the walk's
     // last) compiles the causal mask into the steps that need it only.
     auto step = [&](int it, auto diag) {
       const int buf = it % STAGES;
-      mbar_wait(full + buf, (it / STAGES) & 1);
-      fence_proxy_async();
+      mbar_wait(full + buf, (it / STAGES) & 1);  // the operands of wgmma came by TMA: no proxy fence
       dkdv_tile<T, D, KV_ROWS, QT, decltype(diag)::value>(dk, dv, k_desc, v_desc, Qs + buf * QT * D,
                                                           dOs + buf * QT * D, lse_s + buf * QT, dl_s + buf * QT,
-                                                          walk.r0, wg, key_tok, lane, p);
+                                                          walk, wg, key_tok, lane, p);
       walk.next(p);
       // Waiting here rather than in the next tile: ptxas serialises every wgmma of the loop when
       // accumulators are in flight across its back edge (warning C7515). The other consumer keeps

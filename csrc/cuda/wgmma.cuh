@@ -118,6 +118,29 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
       "r"(parity)
       : "memory");
 }
+// Adds `bytes` to the transaction count that the barrier's current phase waits for, without
+// arriving: the TMA copies below count their bytes down as they land.
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
+               "r"(bytes)
+               : "memory");
+}
+
+// ---- TMA copies ----------------------------------------------------------------------------------
+// The box at coordinates (c, h, t) of a 3-D tensor map (innermost first) into shared memory at
+// dst, counted down on bar's transaction count. `map` is the address of a __grid_constant__
+// kernel parameter (a CUtensorMap the host encoded). The map's swizzle writes the box in the
+// 128-byte swizzled layout above, so dst is 1024-byte aligned.
+__device__ __forceinline__ void tma_load_3d(void* dst, const void* map, int c, int h, int t, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c), "r"(h), "r"(t),
+      "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+      : "memory");
+}
+
 // Moves registers from the warpgroup that loads to the ones that multiply (sm_90a).
 template <int N>
 __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }

@@ -76,12 +76,15 @@ def test_grid(impl, dtype, d, hq, g, block, lens, budget):
     _check_against_reference(fn, q, k, v, route, 1.0 / math.sqrt(d))
 
 
+# Group sizes R = hq / g that give the Hopper dK/dV kernel each shape of query tile (BoxWalk):
+# whole tokens of the group's heads (R = 1, 2, 8) and one head's tokens (R = 3, and 7 at head
+# dim 128, whose 64-row tiles R does not divide).
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("hq,g", [(4, 4), (8, 1), (6, 2)])
-def test_group_sizes_and_per_sequence_budgets(impl, hq, g):
+@pytest.mark.parametrize("d,hq,g", [(64, 4, 4), (64, 8, 1), (64, 8, 4), (64, 6, 2), (128, 14, 2)])
+def test_group_sizes_and_per_sequence_budgets(impl, d, hq, g):
     fn = _impl(impl)
     lens = [700, 1500, 33, 2048]
-    q, k, v, _ = _pack(lens, hq, g, 64, torch.bfloat16, 128, 1)
+    q, k, v, _ = _pack(lens, hq, g, d, torch.bfloat16, 128, 1)
     route = select_blocks(block_scores(q.detach(), k.detach(), _.layout), _.layout, torch.tensor([2, 5, 1, 9]))
     _check_against_reference(fn, q, k, v, route, 0.1)
 
