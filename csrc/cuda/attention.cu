@@ -89,6 +89,9 @@ bool use_sm90(int block, int kv_rows) {
 // Query tiles of bm rows over every block of `block` tokens (R rows per token).
 unsigned query_tiles(const Params& p, int bm) { return (unsigned)(p.NB * ((p.block * p.R + bm - 1) / bm)); }
 
+// The kernels load 16-byte vectors from q, k, v and dout.
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_idx,
                   const at::Tensor& kv_cnt, const at::Tensor& bstart, const at::Tensor& bend, int64_t block) {
   MSB_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "q, k, v must be CUDA tensors");
@@ -100,8 +103,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   MSB_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v dtypes differ");
   MSB_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
   MSB_CHECK(block == 64 || block == 128 || block == 256, "block size must be 64, 128 or 256");
-  for (const at::Tensor* t : {&q, &k, &v})  // 16-byte vector loads
-    MSB_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "q, k, v must be 16-byte aligned");
+  MSB_CHECK(aligned16(q) && aligned16(k) && aligned16(v), "q, k, v must be 16-byte aligned");
   for (const at::Tensor* t : {&kv_idx, &kv_cnt, &bstart, &bend})
     MSB_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->is_contiguous(),
               "index tensors must be contiguous int32 CUDA tensors");
@@ -240,7 +242,7 @@ std::vector<at::Tensor> sparse_attn_fwd_cuda(const at::Tensor& q, const at::Tens
 void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& lse) {
   MSB_CHECK(dout.sizes() == q.sizes() && dout.is_contiguous() && dout.scalar_type() == q.scalar_type(),
             "dout must be a contiguous [T, HQ, D] tensor of q's dtype");
-  MSB_CHECK(reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 == 0, "dout must be 16-byte aligned");
+  MSB_CHECK(aligned16(dout), "dout must be 16-byte aligned");
   MSB_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == q.size(0) &&
                 lse.size(1) == q.size(1),
             "lse must be contiguous float32 [T, HQ]");

@@ -311,17 +311,18 @@ __device__ __forceinline__ void load_q_rows(T* dst, const T* src, int q0, int ro
   }
 }
 
-// Keys [k0, k0 + ROWS) of group g (rows >= nvalid: zeros, so a masked P times V stays 0).
-template <typename T, int D, int NT, int ROWS = CHUNK, typename Layout = PaddedRows<D>>
+// Keys [k0, k0 + CHUNK) of group g into padded rows (rows >= nvalid: zeros, so a masked P times V
+// stays 0).
+template <typename T, int D, int NT>
 __device__ __forceinline__ void load_kv_rows(T* dst, const T* src, int k0, int nvalid, int g, int G) {
   constexpr int VECS = D / 8;
-  static_assert(ROWS * VECS % NT == 0, "each thread loads the same number of vectors");
+  static_assert(CHUNK * VECS % NT == 0, "each thread loads the same number of vectors");
 #pragma unroll
-  for (int j = 0; j < ROWS * VECS / NT; ++j) {
+  for (int j = 0; j < CHUNK * VECS / NT; ++j) {
     const int i = threadIdx.x + j * NT, r = i / VECS, c = (i % VECS) * 8;
     const bool valid = r < nvalid;
     const T* s = valid ? src + ((int64_t)(k0 + r) * G + g) * D + c : src;
-    cp_async16(dst + Layout::offset(r, c), s, valid);
+    cp_async16(dst + PaddedRows<D>::offset(r, c), s, valid);
   }
 }
 
