@@ -185,17 +185,34 @@ void run_fwd(const Params& p, cudaStream_t s) {
          p);
 }
 
+// The Hopper dK/dV's CTA order (sm90::dkdv_order_kernel) from the transposed index's offsets.
+// The caller may drop it once the kernel that reads it is queued: the caching allocator hands
+// its bytes out again only to work queued after that on this stream.
+at::Tensor dkdv_order(const at::Tensor& q_ptr, int G, int NB, cudaStream_t s) {
+  const int pairs = G * NB;
+  int shift = 0;  // list lengths (at most NB) >> shift fit the bins
+  while ((NB >> shift) >= kernels::sm90::ORDER_BINS) ++shift;
+  at::Tensor order = at::empty({pairs}, q_ptr.options());
+  kernels::sm90::dkdv_order_kernel<<<1, kernels::sm90::ORDER_THREADS, 0, s>>>(q_ptr.data_ptr<int>(), pairs, shift,
+                                                                           order.data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return order;
+}
+
 template <typename T, int D>
-void run_dkdv(const Params& p, int64_t nrows, cudaStream_t s, const at::Tensor& q, const at::Tensor& dout,
-              const at::Tensor& k, const at::Tensor& v) {
+void run_dkdv(Params p, int64_t nrows, cudaStream_t s, const at::Tensor& q, const at::Tensor& dout,
+              const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_ptr) {
   using namespace kernels;
   if (nrows > 0) {
-    delta_kernel<T, D><<<(unsigned)((nrows + 7) / 8), 256, 0, s>>>(static_cast<const T*>(p.o),
-                                                                   static_cast<const T*>(p.dout), p.delta, nrows);
+    const int64_t ctas = (nrows + delta_rows_per_cta<D>() - 1) / delta_rows_per_cta<D>();
+    delta_kernel<T, D><<<(unsigned)ctas, DELTA_THREADS, 0, s>>>(static_cast<const T*>(p.o),
+                                                               static_cast<const T*>(p.dout), p.delta, nrows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   using Sm90 = sm90::DkdvTiles<T, D>;
   if (use_sm90(p.block, Sm90::KV_ROWS)) {
+    const at::Tensor order = dkdv_order(q_ptr, p.G, p.NB, s);
+    p.kv_order = order.data_ptr<int>();
     const int heads = sm90::dkdv_tile_heads(Sm90::QT, p.R), tokens = Sm90::QT / heads;
     const sm90::DkdvMaps maps{row_slab_map<T>(q, heads, tokens), row_slab_map<T>(dout, heads, tokens),
                               row_slab_map<T>(k, 1, Sm90::KV_ROWS), row_slab_map<T>(v, 1, Sm90::KV_ROWS)};
@@ -259,11 +276,12 @@ std::vector<at::Tensor> sparse_attn_bwd_dkdv_cuda(const at::Tensor& dout, const 
                                                   int64_t block) {
   check_inputs(q, k, v, kv_idx, kv_cnt, bstart, bend, block);
   check_backward_inputs(dout, q, lse);
-  MSB_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
-            "out must be a contiguous [T, HQ, D] tensor of q's dtype");
+  MSB_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type() && aligned16(out),
+            "out must be a contiguous, 16-byte aligned [T, HQ, D] tensor of q's dtype");
   MSB_CHECK(q_ptr.is_cuda() && q_idx.is_cuda() && q_ptr.scalar_type() == at::kInt &&
-                q_idx.scalar_type() == at::kInt && q_ptr.is_contiguous() && q_idx.is_contiguous(),
-            "q_ptr/q_idx must be contiguous int32 CUDA tensors");
+                q_idx.scalar_type() == at::kInt && q_ptr.is_contiguous() && q_idx.is_contiguous() &&
+                q_ptr.numel() == k.size(1) * bstart.numel() + 1,
+            "q_ptr/q_idx must be contiguous int32 CUDA tensors, q_ptr of G * NB + 1 offsets");
   const c10::cuda::CUDAGuard guard(q.device());
   auto delta = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   auto dk = at::empty_like(k);
@@ -284,7 +302,7 @@ std::vector<at::Tensor> sparse_attn_bwd_dkdv_cuda(const at::Tensor& dout, const 
   auto s = at::cuda::getCurrentCUDAStream().stream();
   const int64_t nrows = q.size(0) * q.size(1);
   dispatch(q, [&](auto kind) {
-    run_dkdv<typename decltype(kind)::type, decltype(kind)::dim>(p, nrows, s, q, dout, k, v);
+    run_dkdv<typename decltype(kind)::type, decltype(kind)::dim>(p, nrows, s, q, dout, k, v, q_ptr);
   });
   return {dk, dv, delta};
 }
@@ -325,6 +343,17 @@ void register_cuda_ops(pybind11::module& m) {
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("kv_idx"), pybind11::arg("kv_cnt"), pybind11::arg("block_start"), pybind11::arg("block_end"),
         pybind11::arg("q_ptr"), pybind11::arg("q_idx"), pybind11::arg("softmax_scale"), pybind11::arg("block_size"));
+  m.def(
+      "dkdv_order_cuda",
+      [](const at::Tensor& q_ptr, int64_t G, int64_t NB) {
+        MSB_CHECK(q_ptr.is_cuda() && q_ptr.scalar_type() == at::kInt && q_ptr.is_contiguous() &&
+                      q_ptr.numel() == G * NB + 1,
+                  "q_ptr must be a contiguous int32 CUDA tensor of G * NB + 1 offsets");
+        const c10::cuda::CUDAGuard guard(q_ptr.device());
+        return dkdv_order(q_ptr, (int)G, (int)NB, at::cuda::getCurrentCUDAStream().stream());
+      },
+      "the order of the Hopper dK/dV kernel's CTAs: (group, KV block) pairs g * NB + kb, longest query list first",
+      pybind11::arg("q_ptr"), pybind11::arg("G"), pybind11::arg("NB"));
   m.def("sparse_attn_bwd_dq_cuda", &sparse_attn_bwd_dq_cuda, "block-sparse attention backward, dQ (CUDA)",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("lse"),
         pybind11::arg("delta"), pybind11::arg("kv_idx"), pybind11::arg("kv_cnt"), pybind11::arg("block_start"),

@@ -55,6 +55,7 @@ struct Params {
   const int* bend;
   const int* q_ptr;
   const int* q_idx;
+  const int* kv_order;  // the Hopper dK/dV's CTA order: (group, KV block) pairs g NB + kb
   int NB, KMAX, R, HQ, G, block;
   uint64_t r_magic;  // ceil(2^32 / R): div_r's multiplier
   float scale, scale_log2;
@@ -158,12 +159,20 @@ __device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 
+// The elementwise product of two packed pairs, rounded to T (one HMUL2).
 template <typename T>
-__device__ __forceinline__ float to_f(T x);
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b);
 template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ uint32_t mul2<__nv_bfloat16>(uint32_t a, uint32_t b) {
+  const __nv_bfloat162 v =
+      __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 template <>
-__device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+__device__ __forceinline__ uint32_t mul2<__half>(uint32_t a, uint32_t b) {
+  const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 
 // ---- Warp-level products ----------------------------------------------------------------------
 // Accumulator layout of a 16 x N tile (mma.sync's C): acc[j] covers columns [8j, 8j + 8); lane
@@ -475,16 +484,45 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(Params p) {
     }
 }
 
-// delta[t, h] = sum_d o * do (one warp per row).
+// delta[t, h] = sum_d o * do. A row is D / 8 threads' 16-byte vectors, and each thread loads
+// DELTA_ROWS rows before it sums any, so a CTA keeps 2 x DELTA_ROWS x 4 KB in flight. One warp
+// per row with 2-byte loads read the 235 MB of O and dO at 0.5B, 64K tokens in 0.12 ms, half
+// of what HBM gives.
+constexpr int DELTA_THREADS = 256, DELTA_ROWS = 4;
+
+template <int D>
+constexpr int delta_rows_per_cta() { return DELTA_THREADS / (D / 8) * DELTA_ROWS; }
+
 template <typename T, int D>
-__global__ void delta_kernel(const T* O, const T* dO, float* delta, int64_t nrows) {
-  const int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (r >= nrows) return;
-  float s = 0.f;
-  for (int c = lane; c < D; c += 32) s += to_f<T>(O[r * D + c]) * to_f<T>(dO[r * D + c]);
-  s = warp_sum(s);
-  if (lane == 0) delta[r] = s;
+__global__ void __launch_bounds__(DELTA_THREADS) delta_kernel(const T* O, const T* dO, float* delta, int64_t nrows) {
+  constexpr int VECS = D / 8, PASS = DELTA_THREADS / VECS;  // rows of one pass of the CTA
+  const int part = threadIdx.x % VECS;
+  const int64_t row0 = (int64_t)blockIdx.x * delta_rows_per_cta<D>() + threadIdx.x / VECS;
+  uint4 o[DELTA_ROWS], d[DELTA_ROWS];
+#pragma unroll
+  for (int j = 0; j < DELTA_ROWS; ++j) {
+    const int64_t r = row0 + j * PASS;
+    o[j] = d[j] = make_uint4(0, 0, 0, 0);
+    if (r < nrows) {
+      o[j] = __ldg(reinterpret_cast<const uint4*>(O + r * D) + part);
+      d[j] = __ldg(reinterpret_cast<const uint4*>(dO + r * D) + part);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < DELTA_ROWS; ++j) {
+    const uint32_t* ov = reinterpret_cast<const uint32_t*>(&o[j]);
+    const uint32_t* dv = reinterpret_cast<const uint32_t*>(&d[j]);
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 a = unpack2<T>(ov[e]), b = unpack2<T>(dv[e]);
+      s = fmaf(a.x, b.x, fmaf(a.y, b.y, s));
+    }
+#pragma unroll
+    for (int m = VECS / 2; m > 0; m /= 2) s += __shfl_xor_sync(0xffffffffu, s, m);  // the row's VECS lanes
+    const int64_t r = row0 + j * PASS;
+    if (part == 0 && r < nrows) delta[r] = s;
+  }
 }
 
 // ---- dQ -------------------------------------------------------------------------------------------

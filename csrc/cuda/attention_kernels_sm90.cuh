@@ -15,7 +15,9 @@
 // instructions around the products, since two or three consumer warps per scheduler are all
 // there is to issue from: no integer division by R,
 // copies whose addresses are set up once per CTA, the causal mask compiled only into the
-// diagonal block's steps, the softmax scale folded into the exponential's multiply-add. Products
+// diagonal block's steps, the softmax scale folded into the exponential's multiply-add, wgmma
+// descriptors the compiler can keep in uniform registers (warpgroup_index), O rescaled only when
+// a row's maximum has grown far (the forward), dS as a 16-bit product (dK/dV). Products
 // in flight across a loop's back edge, or waits that ptxas cannot match to their products on
 // every path, make it serialise every wgmma of the loop (warnings C7515, C7514): each
 // warpgroup waits for all of its products within a step.
@@ -48,6 +50,16 @@ constexpr int launch_registers(int threads) { return 65536 / threads / 8 * 8; }
 constexpr bool fits_register_pool(int producer, int consumer, int consumers) {
   const int threads = (consumers + 1) * WG_THREADS;
   return WG_THREADS * (producer + consumers * consumer) <= threads * launch_registers(threads);
+}
+
+// This thread's warpgroup and its warp in it, read from lane 0 so that the compiler knows them to
+// be the same in every lane of a warp: the wgmma descriptors derived from them then live in
+// uniform registers. Computed from threadIdx in each lane, they took vector registers, and the
+// descriptors were moved over for every product or worked out again in the loop: dK/dV's step
+// took 8% more instructions at head dim 64 and 29% more at 128, dQ's 34% more at 128.
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, threadIdx.x / WG_THREADS, 0); }
+__device__ __forceinline__ int warp_in_warpgroup() {
+  return __shfl_sync(0xffffffffu, threadIdx.x % WG_THREADS / 32, 0);
 }
 
 template <int ROWS>
@@ -218,8 +230,9 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
                                           const float* dl_c, const BoxWalk<QT>& walk, int wg, int key_tok,
                                           int lane, const Params& p) {
   constexpr int NJ = QT / 8;
-  // Query tiles of 128 rows leave no room for P in fp32 beside dK, dV and dP^T: dS then takes P
-  // from its 16-bit A fragments (one more rounding of P inside dS, which is rounded anyway).
+  // Query tiles of 128 rows leave no room for P in fp32 beside dK, dV and dP^T: dS is then the
+  // 16-bit product of P's A fragments and dP - delta rounded to 16 bits, which spares unpacking P
+  // (two instructions a value) and packing dS: the step took 633 instructions at 0.5B, now 490.
   constexpr bool P_FROM_FRAGS = QT > 64;
   const uint64_t q_k = kmajor_tile<QT>(Qc), do_k = kmajor_tile<QT>(dOc);
   const uint64_t q_mn = mnmajor_tile<T, QT>(Qc), do_mn = mnmajor_tile<T, QT>(dOc);
@@ -253,8 +266,10 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
     for (int h = 0; h < 4; ++h) {  // dS = P (dP - delta), straight into A fragments (to_a_frags' order)
       const int j = 2 * s + h / 2, e0 = 2 * (h % 2);
       const float2 dl = *reinterpret_cast<const float2*>(dl_c + 8 * j + 2 * (lane % 4));
-      const float2 pr = P_FROM_FRAGS ? unpack2<T>(pa[0][s][h]) : make_float2(st[0][j][e0], st[0][j][e0 + 1]);
-      da[0][s][h] = pack2<T>(pr.x * (dpt[0][j][e0] - dl.x), pr.y * (dpt[0][j][e0 + 1] - dl.y));
+      if constexpr (P_FROM_FRAGS)
+        da[0][s][h] = mul2<T>(pa[0][s][h], pack2<T>(dpt[0][j][e0] - dl.x, dpt[0][j][e0 + 1] - dl.y));
+      else
+        da[0][s][h] = pack2<T>(st[0][j][e0] * (dpt[0][j][e0] - dl.x), st[0][j][e0 + 1] * (dpt[0][j][e0 + 1] - dl.y));
     }
   wgmma_fence();
 #pragma unroll
@@ -282,6 +297,38 @@ __device__ __forceinline__ void store_dkdv(const float (&dk)[1][D / 8][4], const
   }
 }
 
+// The order in which dK/dV's CTAs start: (group, KV block) pairs g NB + kb by the length of
+// their query lists, longest first, counted from the transposed index (q_ptr). The lists differ
+// by up to 100x (a KV block that many query blocks select against one that few do), and the
+// grid's fixed order only guesses them from the block's position: a schedule of the real lists
+// in that order ended 1-10% after the ideal at 0.5B (S = 32K/64K, 10%/25%), longest first
+// 0.3-1.7% after it, except at 32K 10%, where one list alone is longer than an SM's share of the
+// work. Lists are binned by length
+// >> shift (ORDER_BINS bins); the order within a bin depends on the atomics' order, which
+// changes no result: every CTA writes its own rows of dK and dV only.
+constexpr int ORDER_THREADS = 1024, ORDER_BINS = ORDER_THREADS;
+
+__global__ void __launch_bounds__(ORDER_THREADS) dkdv_order_kernel(const int* q_ptr, int pairs, int shift,
+                                                                   int* order) {
+  __shared__ int start[ORDER_BINS];  // bin sizes, then each bin's next free place in `order`
+  __shared__ int warp_total[ORDER_THREADS / 32];
+  const auto bin = [&](int e) { return ORDER_BINS - 1 - min((q_ptr[e + 1] - q_ptr[e]) >> shift, ORDER_BINS - 1); };
+  start[threadIdx.x] = 0;
+  __syncthreads();
+  for (int e = threadIdx.x; e < pairs; e += ORDER_THREADS) atomicAdd(&start[bin(e)], 1);
+  __syncthreads();
+  // Exclusive scan of the bin sizes, one bin per thread: within warps, then over warp totals.
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, own = start[threadIdx.x];
+  const int incl = warp_inclusive_sum(own, lane);
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  if (warp == 0) warp_total[lane] = warp_inclusive_sum(warp_total[lane], lane);
+  __syncthreads();
+  start[threadIdx.x] = incl - own + (warp ? warp_total[warp - 1] : 0);
+  __syncthreads();
+  for (int e = threadIdx.x; e < pairs; e += ORDER_THREADS) order[atomicAdd(&start[bin(e)], 1)] = e;
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
     dkdv_kernel(Params p, const __grid_constant__ DkdvMaps maps) {
@@ -300,11 +347,10 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
   uint64_t* empty = full + STAGES;
   uint64_t* kv_full = empty + STAGES;
 
-  // Linear grid, group fastest: both groups' chunks of a KV block start together. Early blocks
-  // have the longest query lists (every later query block can select them), so the longest
-  // CTAs of every group start first rather than group 1's after all of group 0's.
-  const int nsub = p.block / KV_ROWS, g = blockIdx.x % p.G, chunk = blockIdx.x / p.G;
-  const int kb = chunk / nsub, n0 = (chunk % nsub) * KV_ROWS;
+  // Linear grid in dkdv_order_kernel's order, the longest query lists first; a KV block's
+  // chunks are adjacent.
+  const int nsub = p.block / KV_ROWS, pair = p.kv_order[blockIdx.x / nsub];
+  const int g = pair / p.NB, kb = pair % p.NB, n0 = (blockIdx.x % nsub) * KV_ROWS;
   const int b0 = p.bstart[kb], blen = p.bend[kb] - b0;
   if (n0 >= blen) return;
   const int nvalid = min(KV_ROWS, blen - n0);
@@ -335,7 +381,7 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
     cp_async_wait_all();  // no copy outlives the CTA
   } else {  // consumers: the two warpgroups that multiply
     regs_inc<Tiles::CONSUMER_REGS>();
-    const int wg = threadIdx.x / WG_THREADS - 1, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
+    const int wg = warpgroup_index() - 1, warp = warp_in_warpgroup(), lane = threadIdx.x % 32;
     const uint64_t k_desc = kmajor_tile<KV_ROWS>(Ks), v_desc = kmajor_tile<KV_ROWS>(Vs);
     const int key_tok = n0 + wg * WG_ROWS + warp * 16 + lane / 4;  // this lane's keys: key_tok + 8 h
     // One 64-row tile per warpgroup; the [1] makes them the MI = 1 tiles of the mma.sync helpers.
@@ -393,6 +439,7 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
 // chunk it - 1 back once that is done. A loop back edge stays free of products in flight
 // (C7515): every step waits for all of its own.
 constexpr int FWD_CONSUMERS = 3, DQ_CONSUMERS = 2;
+constexpr float RESCALE_LOG2 = 8.f;  // how far (log2) a row's maximum may pass the forward's m
 
 template <typename T, int D, int QUERY_TILES, int CH, int CONSUMERS>
 struct QueryTiles {
@@ -579,7 +626,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
   if (cta.empty_tile()) return;
   const KvWalk<CH> walk = cta.walk(p);
   if (!cta.start(walk, {static_cast<const T*>(p.q)}, p)) return;
-  const int wg = threadIdx.x / WG_THREADS - 1, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
+  const int wg = warpgroup_index() - 1, warp = warp_in_warpgroup(), lane = threadIdx.x % 32;
   const uint64_t q_desc = kmajor_tile<BM>(cta.qtiles);
   const int wrow = cta.row0 + wg * WG_ROWS + warp * 16 + lane / 4;  // this lane's rows: wrow + 8 h
   int tok[2];
@@ -614,14 +661,29 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
     if constexpr (decltype(diag)::value) Cta::mask_diagonal(s[0], walk.chunk(p, it), lane, tok);
     float mx[2];
     reduce_rows<NJ>(s[0], mx, [](float a, float b) { return fmaxf(a, b); });
-    float alpha[2], m_use[2];
+    // m is the maximum the exponentials subtract, and it moves only when a row's maximum passes
+    // it by more than RESCALE_LOG2 (so P stays below 2^RESCALE_LOG2, far inside bf16 and fp16):
+    // O and l then keep their scale, and the step skips O's rescaling (a multiply per
+    // accumulator). All rows of a warp move together, so the choice is one branch per warp.
+    float m_new[2];
+    bool grows = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m[h], quad_max(mx[h]) * p.scale_log2);
-      m_use[h] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
-      alpha[h] = exp2f(m[h] - m_use[h]);
-      m[h] = m_new;
+      m_new[h] = fmaxf(m[h], quad_max(mx[h]) * p.scale_log2);
+      grows |= m_new[h] > m[h] + RESCALE_LOG2;  // m = -inf: as soon as a key is visible
     }
+    const bool rescale = __any_sync(0xffffffffu, grows);
+    float alpha[2] = {1.f, 1.f};
+    if (rescale) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        alpha[h] = exp2f(m[h] - (m_new[h] == -INFINITY ? 0.f : m_new[h]));  // 0 while m = -inf
+        m[h] = m_new[h];
+      }
+    }
+    float m_use[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) m_use[h] = m[h] == -INFINITY ? 0.f : m[h];  // a row with nothing visible yet
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
@@ -632,10 +694,12 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
     for (int h = 0; h < 2; ++h) l[h] = fmaf(l[h], alpha[h], row_sum[h]);
     wgmma_wait<0>();  // O holds every chunk before this one: rescale it to this chunk's maximum
     if (it > 0) cta.release(it - 1);
+    if (rescale) {
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j)
+      for (int j = 0; j < D / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[0][j][e] *= alpha[e / 2];
+        for (int e = 0; e < 4; ++e) o[0][j][e] *= alpha[e / 2];
+    }
     to_a_frags<T, 1, CH>(pa, s);
   };
   int it = 0;
@@ -671,7 +735,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH, CONSUMERS>::THREADS, 1
   if (cta.empty_tile()) return;
   const KvWalk<CH> walk = cta.walk(p);
   if (!cta.start(walk, {static_cast<const T*>(p.q), static_cast<const T*>(p.dout)}, p)) return;
-  const int wg = threadIdx.x / WG_THREADS - 1, warp = (threadIdx.x % WG_THREADS) / 32, lane = threadIdx.x % 32;
+  const int wg = warpgroup_index() - 1, warp = warp_in_warpgroup(), lane = threadIdx.x % 32;
   const uint64_t q_desc = kmajor_tile<BM>(cta.qtiles), do_desc = kmajor_tile<BM>(cta.qtiles + BM * D);
   const int wrow = cta.row0 + wg * WG_ROWS + warp * 16 + lane / 4;
   int tok[2];

@@ -183,6 +183,30 @@ def test_transposed_index_matches_router(build):
         assert torch.equal(qp, rp) and torch.equal(qi[: ri.numel()], ri), (lens, block, budget)
 
 
+def test_dkdv_order_is_a_permutation_longest_list_first():
+    """The Hopper dK/dV's CTA order: every (group, KV block) pair once, their query lists'
+    lengths never increasing along it (exactly below 1024 blocks; binned by length >> shift
+    above, so only the bins never increase), at small and large NB and G."""
+    from megatron_sparsebalance.ops import cuda_attention, native
+
+    _impl("cuda")
+    ext = native.native()
+    gen = torch.Generator().manual_seed(0)
+    for G, NB, shift in ((1, 1, 0), (2, 512, 0), (3, 700, 0), (2, 5000, 3)):
+        counts = torch.randint(0, NB + 1, (G * NB,), generator=gen, dtype=torch.int32)
+        q_ptr = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()]).cuda()
+        order = ext.dkdv_order_cuda(q_ptr, G, NB).cpu()
+        assert torch.equal(order.sort().values, torch.arange(G * NB, dtype=torch.int32)), (G, NB)
+        assert ((counts[order.long()] >> shift).diff() <= 0).all(), (G, NB)
+    # as the backward builds it, from a route's transposed index
+    *_, route = _pack([9000, 3000], 8, 2, 64, torch.bfloat16, 128, 7)
+    q_ptr, _ = cuda_attention.transpose_index_gpu(route.kv_idx, route.kv_cnt)
+    G, NB = route.kv_idx.shape[:2]
+    lengths = q_ptr.diff().cpu()
+    order = ext.dkdv_order_cuda(q_ptr, G, NB).cpu().long()
+    assert torch.equal(order.sort().values, torch.arange(G * NB)) and (lengths[order].diff() <= 0).all()
+
+
 def test_cuda_extension_refuses_bad_input_with_a_message():
     """A bad argument reaching the C++ entry points raises a RuntimeError that names it (on the
     H200 image a message formatted by TORCH_CHECK itself crashed the process: csrc/check.h)."""
