@@ -303,9 +303,8 @@ __device__ __forceinline__ void store_dkdv(const float (&dk)[1][D / 8][4], const
 // grid's fixed order only guesses them from the block's position: a schedule of the real lists
 // in that order ended 1-10% after the ideal at 0.5B (S = 32K/64K, 10%/25%), longest first
 // 0.3-1.7% after it, except at 32K 10%, where one list alone is longer than an SM's share of the
-// work. Lists are binned by length
-// >> shift (ORDER_BINS bins); the order within a bin depends on the atomics' order, which
-// changes no result: every CTA writes its own rows of dK and dV only.
+// work. Lists are binned by length >> shift (ORDER_BINS bins); the order within a bin depends on
+// the atomics' order, which changes no result: every CTA writes its own rows of dK and dV only.
 constexpr int ORDER_THREADS = 1024, ORDER_BINS = ORDER_THREADS;
 
 __global__ void __launch_bounds__(ORDER_THREADS) dkdv_order_kernel(const int* q_ptr, int pairs, int shift,
