@@ -310,20 +310,14 @@ constexpr int ORDER_THREADS = 1024, ORDER_BINS = ORDER_THREADS;
 __global__ void __launch_bounds__(ORDER_THREADS) dkdv_order_kernel(const int* q_ptr, int pairs, int shift,
                                                                    int* order) {
   __shared__ int start[ORDER_BINS];  // bin sizes, then each bin's next free place in `order`
-  __shared__ int warp_total[ORDER_THREADS / 32];
   const auto bin = [&](int e) { return ORDER_BINS - 1 - min((q_ptr[e + 1] - q_ptr[e]) >> shift, ORDER_BINS - 1); };
   start[threadIdx.x] = 0;
   __syncthreads();
   for (int e = threadIdx.x; e < pairs; e += ORDER_THREADS) atomicAdd(&start[bin(e)], 1);
   __syncthreads();
-  // Exclusive scan of the bin sizes, one bin per thread: within warps, then over warp totals.
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, own = start[threadIdx.x];
-  const int incl = warp_inclusive_sum(own, lane);
-  if (lane == 31) warp_total[warp] = incl;
-  __syncthreads();
-  if (warp == 0) warp_total[lane] = warp_inclusive_sum(warp_total[lane], lane);
-  __syncthreads();
-  start[threadIdx.x] = incl - own + (warp ? warp_total[warp - 1] : 0);
+  // Each bin's first place: the sizes of the bins before it (one bin per thread). Every thread
+  // has read its size before the scan's first barrier, so the write after it races with none.
+  start[threadIdx.x] = cta_exclusive_sum(start[threadIdx.x]);
   __syncthreads();
   for (int e = threadIdx.x; e < pairs; e += ORDER_THREADS) order[atomicAdd(&start[bin(e)], 1)] = e;
 }

@@ -65,15 +65,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_kernel(int* q_ptr, int n) {
   const int lo = 1 + threadIdx.x * per, hi = min(n + 1, lo + per);
   int own = 0;
   for (int e = lo; e < hi; ++e) own += q_ptr[e];
-  // exclusive scan of the threads' sums: within warps by shuffles, then over the warp totals
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int incl = warp_inclusive_sum(own, lane);
-  __shared__ int warp_total[SCAN_THREADS / 32];
-  if (lane == 31) warp_total[warp] = incl;
-  __syncthreads();
-  if (warp == 0) warp_total[lane] = warp_inclusive_sum(warp_total[lane], lane);  // inclusive over warps
-  __syncthreads();
-  int run = incl - own + (warp ? warp_total[warp - 1] : 0);
+  int run = cta_exclusive_sum(own);  // the threads' sums before this one's
   for (int e = lo; e < hi; ++e) {
     run += q_ptr[e];
     q_ptr[e] = run;
