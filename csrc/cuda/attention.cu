@@ -58,7 +58,7 @@ CUtensorMap row_slab_map(const at::Tensor& x, int heads, int tokens) {
     cudaDriverEntryPointQueryResult found{};
     C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
     MSB_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
-              "the CUDA driver has no cuTensorMapEncodeTiled (the Hopper dK/dV kernel needs CUDA 12 or later)");
+              "the CUDA driver has no cuTensorMapEncodeTiled (the Hopper kernels need CUDA 12 or later)");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
   constexpr int64_t ELEM = sizeof(T);
@@ -157,28 +157,34 @@ constexpr int sm90_chunk() {
 
 // Launches the wgmma forward or dQ (QUERY_TILES 1 or 2) if this GPU and block size take them:
 // `large` runs chunks of LARGE_CHUNK keys where the block holds whole ones, `small` chunks of
-// CHUNK. One CTA per (query tile, group), linear grid (see QueryCta). Returns whether it launched.
+// CHUNK, each with the TMA maps of k and v in boxes of its chunk. One CTA per (query tile,
+// group), linear grid (see QueryCta). Returns whether it launched.
 template <typename T, int D, int QUERY_TILES, int CONSUMERS, int LARGE_CHUNK, typename KernelLarge,
           typename KernelSmall>
-bool run_query_sm90(KernelLarge large, KernelSmall small, const Params& p, cudaStream_t s) {
+bool run_query_sm90(KernelLarge large, KernelSmall small, const Params& p, cudaStream_t s, const at::Tensor& k,
+                    const at::Tensor& v) {
   using namespace kernels;
   if (!use_sm90(p.block, CHUNK)) return false;
   using Large = sm90::QueryTiles<T, D, QUERY_TILES, LARGE_CHUNK, CONSUMERS>;
   using Small = sm90::QueryTiles<T, D, QUERY_TILES, CHUNK, CONSUMERS>;
   static_assert(Large::BM == Small::BM && Large::THREADS == Small::THREADS, "same CTA either way");
   const dim3 grid(query_tiles(p, Large::BM) * p.G);
+  const auto maps = [&](int chunk) {
+    return sm90::ChunkMaps{row_slab_map<T>(k, 1, chunk), row_slab_map<T>(v, 1, chunk)};
+  };
   if (p.block % LARGE_CHUNK == 0)
-    launch(large, grid, Large::THREADS, Large::smem_bytes(), s, p);
+    launch(large, grid, Large::THREADS, Large::smem_bytes(), s, p, maps(LARGE_CHUNK));
   else
-    launch(small, grid, Small::THREADS, Small::smem_bytes(), s, p);
+    launch(small, grid, Small::THREADS, Small::smem_bytes(), s, p, maps(CHUNK));
   return true;
 }
 
 template <typename T, int D>
-void run_fwd(const Params& p, cudaStream_t s) {
+void run_fwd(const Params& p, cudaStream_t s, const at::Tensor& k, const at::Tensor& v) {
   using namespace kernels;
   constexpr int WGS = sm90::FWD_CONSUMERS, LARGE = sm90_chunk<T, D, 1, WGS>();
-  if (run_query_sm90<T, D, 1, WGS, LARGE>(sm90::fwd_kernel<T, D, LARGE, WGS>, sm90::fwd_kernel<T, D, CHUNK, WGS>, p, s))
+  if (run_query_sm90<T, D, 1, WGS, LARGE>(sm90::fwd_kernel<T, D, LARGE, WGS>, sm90::fwd_kernel<T, D, CHUNK, WGS>, p, s,
+                                          k, v))
     return;
   constexpr int MI = Tiles<D>::FWD_MI, BM = QUERY_WARPS * MI * WARP_ROWS;
   launch(fwd_kernel<T, D, QUERY_WARPS, MI>, dim3(query_tiles(p, BM), p.G), QUERY_WARPS * 32, fwd_smem<T, D, BM>(), s,
@@ -226,10 +232,11 @@ void run_dkdv(Params p, int64_t nrows, cudaStream_t s, const at::Tensor& q, cons
 }
 
 template <typename T, int D>
-void run_dq(const Params& p, cudaStream_t s) {
+void run_dq(const Params& p, cudaStream_t s, const at::Tensor& k, const at::Tensor& v) {
   using namespace kernels;
   constexpr int WGS = sm90::DQ_CONSUMERS, LARGE = sm90_chunk<T, D, 2, WGS>();
-  if (run_query_sm90<T, D, 2, WGS, LARGE>(sm90::dq_kernel<T, D, LARGE, WGS>, sm90::dq_kernel<T, D, CHUNK, WGS>, p, s))
+  if (run_query_sm90<T, D, 2, WGS, LARGE>(sm90::dq_kernel<T, D, LARGE, WGS>, sm90::dq_kernel<T, D, CHUNK, WGS>, p, s,
+                                          k, v))
     return;
   constexpr int MI = Tiles<D>::DQ_MI, BM = QUERY_WARPS * MI * WARP_ROWS;
   launch(dq_kernel<T, D, QUERY_WARPS, MI>, dim3(query_tiles(p, BM), p.G), QUERY_WARPS * 32, dq_smem<T, D, BM>(), s,
@@ -252,7 +259,7 @@ std::vector<at::Tensor> sparse_attn_fwd_cuda(const at::Tensor& q, const at::Tens
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   auto s = at::cuda::getCurrentCUDAStream().stream();
-  dispatch(q, [&](auto kind) { run_fwd<typename decltype(kind)::type, decltype(kind)::dim>(p, s); });
+  dispatch(q, [&](auto kind) { run_fwd<typename decltype(kind)::type, decltype(kind)::dim>(p, s, k, v); });
   return {out, lse};
 }
 
@@ -327,7 +334,7 @@ at::Tensor sparse_attn_bwd_dq_cuda(const at::Tensor& dout, const at::Tensor& q, 
   p.lse = lse.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
   auto s = at::cuda::getCurrentCUDAStream().stream();
-  dispatch(q, [&](auto kind) { run_dq<typename decltype(kind)::type, decltype(kind)::dim>(p, s); });
+  dispatch(q, [&](auto kind) { run_dq<typename decltype(kind)::type, decltype(kind)::dim>(p, s, k, v); });
   return dq;
 }
 

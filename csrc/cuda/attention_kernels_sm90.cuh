@@ -135,6 +135,11 @@ struct DkdvMaps {
   CUtensorMap q, dout, k, v;
 };
 
+// The TMA maps of the forward's and dQ's K/V chunks: boxes of CH tokens of one head by 64 columns.
+struct ChunkMaps {
+  CUtensorMap k, v;
+};
+
 // Heads per dK/dV query tile: a tile of QT rows is QT / R whole tokens of the group's R heads
 // where R divides QT (the rows the forward and dQ pack), else QT tokens of one head. Either is one
 // box of a TMA copy. Packed tiles at other R would start inside a token (R = 7 at 0.5B), and the
@@ -528,12 +533,13 @@ struct QueryCta {
   // query tiles from `sources` and the walk's chunks and gets false; a consumer whose 64 rows all
   // lie past the block (the last tile of a block whose rows are not a multiple of BM) gets false
   // too, and the buffers wait for the others only; the rest get their registers and true.
-  __device__ bool start(const KvWalk<CH>& w, const T* const (&sources)[QUERY_TILES], const Params& p) {
+  __device__ bool start(const KvWalk<CH>& w, const T* const (&sources)[QUERY_TILES], const ChunkMaps& maps,
+                        const Params& p) {
     const int active = min(CONSUMERS, (nrows - row0 + WG_ROWS - 1) / WG_ROWS);
     init_ws_barriers(full, empty, STAGES, queries_full, active);
     if (threadIdx.x < WG_THREADS) {
       regs_dec<Tiles::PRODUCER_REGS>();
-      produce(w, sources, p);
+      produce(w, sources, maps, p);
       return false;
     }
     if (threadIdx.x / WG_THREADS > active) return false;
@@ -541,8 +547,14 @@ struct QueryCta {
     return true;
   }
   // The producer warpgroup (threads 0..127): the query tiles, then every chunk of the walk, each
-  // into the buffer its chunk STAGES earlier has been handed back from.
-  __device__ void produce(const KvWalk<CH>& w, const T* const (&sources)[QUERY_TILES], const Params& p) {
+  // into the buffer its chunk STAGES earlier has been handed back from. A whole chunk comes as
+  // TMA boxes from thread 0 (counted on `full`'s transaction bytes): the 128 threads' cp.async
+  // copies took 16 address computations and copies each per chunk, issued on the consumers'
+  // schedulers. Only a diagonal block's last chunk can be partial (the end of a sequence), and
+  // its rows past the block must be zeros, since P times V of a masked key is 0 times that row:
+  // cp.async's zero fill gives them.
+  __device__ void produce(const KvWalk<CH>& w, const T* const (&sources)[QUERY_TILES], const ChunkMaps& maps,
+                          const Params& p) {
 #pragma unroll
     for (int t = 0; t < QUERY_TILES; ++t)
       load_q_rows<T, D, BM, WG_THREADS, Swizzled128<BM>>(qtiles + t * BM * D, sources[t], q0, row0, nrows, p, g);
@@ -552,16 +564,33 @@ struct QueryCta {
       const int buf = it % STAGES;
       const Chunk c = w.chunk(p, it);  // the index read overlaps the wait
       if (it >= STAGES) mbar_wait(empty + buf, (it / STAGES - 1) & 1);
-      copier.copy(Ks + buf * CH * D, Vs + buf * CH * D, c);
-      mbar_arrive_cp_async(full + buf);
+      T* const k_dst = Ks + buf * CH * D;
+      T* const v_dst = Vs + buf * CH * D;
+      if (c.nvalid == CH) {
+        if (threadIdx.x == 0) {
+          mbar_expect_tx(full + buf, 2 * CH * D * sizeof(T));
+#pragma unroll
+          for (int col = 0; col < D; col += SW_COLS) {
+            tma_load_3d(k_dst + col * CH, &maps.k, col, g, c.k0, full + buf);
+            tma_load_3d(v_dst + col * CH, &maps.v, col, g, c.k0, full + buf);
+          }
+        }
+        mbar_arrive(full + buf);
+      } else {
+        copier.copy(k_dst, v_dst, c);
+        mbar_arrive_cp_async(full + buf);
+      }
     }
     cp_async_wait_all();  // no copy outlives the CTA
   }
-  // Consumers: wait for the query tiles, for chunk `it`, and hand chunk `it` back.
+  // Consumers: wait for the query tiles, for chunk `it`, and hand chunk `it` back. Only a
+  // diagonal chunk (DIAG) may have come by cp.async, through the generic proxy, which wgmma's
+  // async proxy reads after a proxy fence; TMA writes through the async proxy itself.
   __device__ void wait_queries() const { mbar_wait(queries_full, 0); }
+  template <bool DIAG>
   __device__ void wait_chunk(int it) const {
     mbar_wait(full + it % STAGES, (it / STAGES) & 1);
-    fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads through the async one
+    if constexpr (DIAG) fence_proxy_async();
   }
   __device__ void release(int it) const { mbar_arrive(empty + it % STAGES); }
   __device__ const T* keys(int it) const { return Ks + (it % STAGES) * CH * D; }
@@ -610,7 +639,8 @@ __device__ __forceinline__ void accumulate_chunk(float (&acc)[1][D / 8][4], cons
 
 
 template <typename T, int D, int CH, int CONSUMERS>
-__global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1) fwd_kernel(Params p) {
+__global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1)
+    fwd_kernel(Params p, const __grid_constant__ ChunkMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cta = QueryCta<T, D, 1, CH, CONSUMERS>;
   constexpr int BM = Cta::BM, NJ = CH / 8;
@@ -618,7 +648,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
   Cta cta(smem_raw, p);
   if (cta.empty_tile()) return;
   const KvWalk<CH> walk = cta.walk(p);
-  if (!cta.start(walk, {static_cast<const T*>(p.q)}, p)) return;
+  if (!cta.start(walk, {static_cast<const T*>(p.q)}, maps, p)) return;
   const int wg = warpgroup_index() - 1, warp = warp_in_warpgroup(), lane = threadIdx.x % 32;
   const uint64_t q_desc = kmajor_tile<BM>(cta.qtiles);
   const int wrow = cta.row0 + wg * WG_ROWS + warp * 16 + lane / 4;  // this lane's rows: wrow + 8 h
@@ -642,7 +672,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
   // One step per chunk; `diag` (std::true_type for the diagonal block's chunks) compiles the
   // causal mask into the steps that need it only.
   auto step = [&](int it, auto diag) {
-    cta.wait_chunk(it);
+    cta.wait_chunk<decltype(diag)::value>(it);
     const uint64_t k_desc = kmajor_tile<CH>(cta.keys(it));
     float s[1][NJ][4];
     wgmma_fence();
@@ -719,7 +749,8 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
 }
 
 template <typename T, int D, int CH, int CONSUMERS>
-__global__ void __launch_bounds__(QueryTiles<T, D, 2, CH, CONSUMERS>::THREADS, 1) dq_kernel(Params p) {
+__global__ void __launch_bounds__(QueryTiles<T, D, 2, CH, CONSUMERS>::THREADS, 1)
+    dq_kernel(Params p, const __grid_constant__ ChunkMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cta = QueryCta<T, D, 2, CH, CONSUMERS>;
   constexpr int BM = Cta::BM, NJ = CH / 8;
@@ -727,7 +758,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH, CONSUMERS>::THREADS, 1
   Cta cta(smem_raw, p);
   if (cta.empty_tile()) return;
   const KvWalk<CH> walk = cta.walk(p);
-  if (!cta.start(walk, {static_cast<const T*>(p.q), static_cast<const T*>(p.dout)}, p)) return;
+  if (!cta.start(walk, {static_cast<const T*>(p.q), static_cast<const T*>(p.dout)}, maps, p)) return;
   const int wg = warpgroup_index() - 1, warp = warp_in_warpgroup(), lane = threadIdx.x % 32;
   const uint64_t q_desc = kmajor_tile<BM>(cta.qtiles), do_desc = kmajor_tile<BM>(cta.qtiles + BM * D);
   const int wrow = cta.row0 + wg * WG_ROWS + warp * 16 + lane / 4;
@@ -751,7 +782,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH, CONSUMERS>::THREADS, 1
   uint32_t da[1][CH / 16][4] = {};  // dS of the previous chunk (zeros at first), as the forward's P
   cta.wait_queries();
   auto step = [&](int it, auto diag) {  // as the forward's
-    cta.wait_chunk(it);
+    cta.wait_chunk<decltype(diag)::value>(it);
     const uint64_t k_desc = kmajor_tile<CH>(cta.keys(it)), v_desc = kmajor_tile<CH>(cta.values(it));
     float s[1][NJ][4], dp[1][NJ][4];
     wgmma_fence();
