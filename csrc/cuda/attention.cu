@@ -148,8 +148,8 @@ Params make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k
 // Keys per K/V chunk of the wgmma forward and dQ where blocks hold whole chunks of them and
 // shared memory holds three stages of them (QueryTiles): 128 against 64 was 1.07-1.16x faster
 // at 0.5B and equal at 3B (S = 32K/64K, one H200). dQ at head dim 128 keeps Q and dO tiles
-// beside the chunks, and the forward there a Q tile of three consumers' rows: both leave room
-// for three stages of 64 keys only (and the forward's consumers registers for no more).
+// beside the chunks, which leave room for three stages of 64 keys only; the forward there, with
+// two consumers (sm90::fwd_consumers), takes 128.
 template <typename T, int D, int QUERY_TILES, int CONSUMERS>
 constexpr int sm90_chunk() {
   return kernels::sm90::QueryTiles<T, D, QUERY_TILES, 128, CONSUMERS>::FITS ? 128 : kernels::CHUNK;
@@ -182,7 +182,7 @@ bool run_query_sm90(KernelLarge large, KernelSmall small, const Params& p, cudaS
 template <typename T, int D>
 void run_fwd(const Params& p, cudaStream_t s, const at::Tensor& k, const at::Tensor& v) {
   using namespace kernels;
-  constexpr int WGS = sm90::FWD_CONSUMERS, LARGE = sm90_chunk<T, D, 1, WGS>();
+  constexpr int WGS = sm90::fwd_consumers(D), LARGE = sm90_chunk<T, D, 1, WGS>();
   if (run_query_sm90<T, D, 1, WGS, LARGE>(sm90::fwd_kernel<T, D, LARGE, WGS>, sm90::fwd_kernel<T, D, CHUNK, WGS>, p, s,
                                           k, v))
     return;

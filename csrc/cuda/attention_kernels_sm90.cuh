@@ -226,6 +226,27 @@ __device__ __forceinline__ void product_over_head_dim(float (&acc)[N / 8][4], ui
   wgmma_commit();
 }
 
+// This lane's A fragments (to_a_frags' order) of rows row, row + 8 of a swizzled tile of ROWS rows
+// and D columns, for every 16 columns: an operand that stays in registers for a whole walk.
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void load_a_frags(uint32_t (&a)[D / 16][4], const T* tile, int row, int lane) {
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s)
+#pragma unroll
+    for (int h = 0; h < 4; ++h)
+      a[s][h] = *reinterpret_cast<const uint32_t*>(
+          tile + sw128_offset<ROWS>(row + 8 * (h % 2), 16 * s + 8 * (h / 2) + 2 * (lane % 4)));
+}
+
+// product_over_head_dim with A in registers (load_a_frags): only B is read from shared memory.
+template <typename T, int D, int N>
+__device__ __forceinline__ void product_over_head_dim_rs(float (&acc)[N / 8][4], const uint32_t (&a)[D / 16][4],
+                                                         uint64_t b_desc) {
+#pragma unroll
+  for (int k = 0; k < D; k += 16) wgmma_rs<T, N>(acc, a[k / 16], kmajor_at<T, N>(b_desc, 0, k), k > 0);
+  wgmma_commit();
+}
+
 // One query tile of a consumer's 64 keys: the four products and the scores between them (the
 // sequence in the comment above). dK's products are left in flight. DIAG masks the keys after
 // each row's token (the walk's; key_tok counts from the same block).
@@ -423,20 +444,27 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
 // consumers drift apart: one's exponentials run while another's products do. setmaxnreg moves
 // registers from the producer to the consumers, which hold O or dQ and the scores.
 //
-// The forward runs three consumers, dQ two (FWD_CONSUMERS, DQ_CONSUMERS). A step of the forward
-// waits on its products and then on its exponentials, which take the MUFU as long as its two
-// products take the tensor cores at head dim 64: with two consumers per scheduler, neither unit
-// was half busy. A third one (160 registers, so 64-key chunks at head dim 128, where O alone
-// takes 64) made the forward 8-10% faster at 0.5B and 1-6% at 3B (S = 32K/64K, one H200); a
-// fourth (112 registers, 64-key chunks) was up to 9% slower at 0.5B. dQ holds S and dP as well:
-// three consumers fit only with 64-key chunks, and at 0.5B the backward was no faster
+// The forward runs three consumers at head dim 64 and two at 128 (fwd_consumers), dQ two
+// (DQ_CONSUMERS). A step of the forward waits on its products and then on its exponentials,
+// which take the MUFU as long as its two products take the tensor cores at head dim 64: with
+// two consumers per scheduler, neither unit was half busy. A third one (160 registers) made the
+// forward 8-10% faster at 0.5B; a fourth (112 registers, 64-key chunks) was up to 9% slower. At
+// head dim 128 three consumers fit only with 64-key chunks (O alone takes 64 registers), whose
+// score product, both operands in shared memory, reads 4 KB per 32 cycles of math: the SM's
+// whole 128 bytes a cycle. Two consumers (224 registers) take 128-key chunks and keep Q in
+// registers as the score product's A operand (load_a_frags), which then reads only K: the 3B
+// forward is 3-5% faster than with three at 25% density and as fast at 10%; without Q in
+// registers, two consumers were 1-1.5% faster at 25% (S = 32K/64K, one H200).
+// dQ holds S and dP as well: three consumers fit only with 64-key chunks, and at 0.5B the
+// backward was no faster; Q in registers there (head dim 128) made the 3B backward 3-4% slower
 // (docs/BENCHMARKS.md).
 //
 // The product that closes a step (P V, dS K) runs during the next step's exponentials: a
 // consumer issues chunk it's score products and then chunk it - 1's closing product, and hands
 // chunk it - 1 back once that is done. A loop back edge stays free of products in flight
 // (C7515): every step waits for all of its own.
-constexpr int FWD_CONSUMERS = 3, DQ_CONSUMERS = 2;
+constexpr int DQ_CONSUMERS = 2;
+constexpr int fwd_consumers(int D) { return D == 128 ? 2 : 3; }
 constexpr float RESCALE_LOG2 = 8.f;  // how far (log2) a row's maximum may pass the forward's m
 
 template <typename T, int D, int QUERY_TILES, int CH, int CONSUMERS>
@@ -669,6 +697,9 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
   // loop whose waits it cannot match to them on every path (C7514).
   uint32_t pa[1][CH / 16][4] = {};
   cta.wait_queries();
+  constexpr bool Q_IN_REGISTERS = CONSUMERS == 2;  // room for it beside O and the scores (above)
+  uint32_t qa[Q_IN_REGISTERS ? D / 16 : 1][4];
+  if constexpr (Q_IN_REGISTERS) load_a_frags<T, D, BM>(qa, cta.qtiles, wg * WG_ROWS + warp * 16 + lane / 4, lane);
   // One step per chunk; `diag` (std::true_type for the diagonal block's chunks) compiles the
   // causal mask into the steps that need it only.
   auto step = [&](int it, auto diag) {
@@ -676,7 +707,10 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
     const uint64_t k_desc = kmajor_tile<CH>(cta.keys(it));
     float s[1][NJ][4];
     wgmma_fence();
-    product_over_head_dim<T, D, BM, CH>(s[0], q_desc, wg * WG_ROWS, k_desc);
+    if constexpr (Q_IN_REGISTERS)
+      product_over_head_dim_rs<T, D, CH>(s[0], qa, k_desc);
+    else
+      product_over_head_dim<T, D, BM, CH>(s[0], q_desc, wg * WG_ROWS, k_desc);
     accumulate_chunk<T, D, CH>(o, pa, cta.values(max(it - 1, 0)));
     wgmma_wait<1>();  // S done; the previous chunk's P V runs on
     // Scores stay unscaled until the exponential folds the scale in: exp2(s scale - m), where m

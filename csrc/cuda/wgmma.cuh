@@ -185,13 +185,15 @@ __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.a
                "}, " DA ", " DB ", p, 1, 1, 0, 0;\n}\n"                                                 \
                : SPARSEBALANCE_ACC##N(d)                                                                \
                : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)))
-// d (+)= A B, A from registers (mma.sync A fragments), B MN-major in shared memory (transposed).
-#define SPARSEBALANCE_WGMMA_RS_TB(N, TYPE, A0, A1, A2, A3, DB, SCALE)                                   \
+// d (+)= A B, A from registers (mma.sync A fragments), B in shared memory: K-major, or MN-major
+// (read transposed) where `transposed_b`, an immediate operand.
+#define SPARSEBALANCE_WGMMA_RS(N, TYPE, A0, A1, A2, A3, DB, SCALE, TNSP_B)                              \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                    \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" SPARSEBALANCE_REGS##N \
-               "}, {" A0 ", " A1 ", " A2 ", " A3 "}, " DB ", p, 1, 1, 1;\n}\n"                          \
+               "}, {" A0 ", " A1 ", " A2 ", " A3 "}, " DB ", p, 1, 1, " TNSP_B ";\n}\n"                \
                : SPARSEBALANCE_ACC##N(d)                                                                \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)))
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)),           \
+                 "n"(int(transposed_b)))
 
 template <typename T>
 constexpr bool is_bf16() {
@@ -215,26 +217,36 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t desc_a, 
   }
 }
 
+// A from registers, B K-major (wgmma_rs) or MN-major (wgmma_rs_tb).
+template <typename T, int N, bool transposed_b>
+__device__ __forceinline__ void wgmma_rs_any(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                             bool accumulate) {
+  static_assert(N == 64 || N == 128, "wgmma_rs: N is 64 or 128");
+  if constexpr (N == 64) {
+    if constexpr (is_bf16<T>())
+      SPARSEBALANCE_WGMMA_RS(64, "bf16", "%32", "%33", "%34", "%35", "%36", "%37", "%38");
+    else
+      SPARSEBALANCE_WGMMA_RS(64, "f16", "%32", "%33", "%34", "%35", "%36", "%37", "%38");
+  } else {
+    if constexpr (is_bf16<T>())
+      SPARSEBALANCE_WGMMA_RS(128, "bf16", "%64", "%65", "%66", "%67", "%68", "%69", "%70");
+    else
+      SPARSEBALANCE_WGMMA_RS(128, "f16", "%64", "%65", "%66", "%67", "%68", "%69", "%70");
+  }
+}
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                         bool accumulate) {
+  wgmma_rs_any<T, N, false>(d, a, desc_b, accumulate);
+}
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs_tb(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b,
                                             bool accumulate) {
-  static_assert(N == 64 || N == 128, "wgmma_rs_tb: N is 64 or 128");
-  if constexpr (N == 64) {
-    if constexpr (is_bf16<T>())
-      SPARSEBALANCE_WGMMA_RS_TB(64, "bf16", "%32", "%33", "%34", "%35", "%36", "%37");
-    else
-      SPARSEBALANCE_WGMMA_RS_TB(64, "f16", "%32", "%33", "%34", "%35", "%36", "%37");
-  } else {
-    if constexpr (is_bf16<T>())
-      SPARSEBALANCE_WGMMA_RS_TB(128, "bf16", "%64", "%65", "%66", "%67", "%68", "%69");
-    else
-      SPARSEBALANCE_WGMMA_RS_TB(128, "f16", "%64", "%65", "%66", "%67", "%68", "%69");
-  }
+  wgmma_rs_any<T, N, true>(d, a, desc_b, accumulate);
 }
 
-
 #undef SPARSEBALANCE_WGMMA_SS
-#undef SPARSEBALANCE_WGMMA_RS_TB
+#undef SPARSEBALANCE_WGMMA_RS
 #undef SPARSEBALANCE_ACC64
 #undef SPARSEBALANCE_ACC128
 #undef SPARSEBALANCE_REGS64
