@@ -78,3 +78,28 @@ def run_pretrain(args, nproc=1):
                "-m", "megatron_sparsebalance.pretrain", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     return p.returncode, p.stderr
+
+
+def refused_in_process(args, capsys, monkeypatch):
+    """``pretrain.main(args)`` in this process, for flags the CLI must refuse before any process
+    group or model exists: (exit code, stderr).
+
+    A subprocess per case spends ~6 s of a 2-core CI machine importing megatron-core; the checks
+    themselves take milliseconds. Training is replaced by a failure, so flags that slip past the
+    checks fail the test here instead of training in pytest's process. The CLI's own exit path
+    (``sys.exit(main())``) stays covered by the tests that run it through :func:`run_pretrain`.
+    """
+    from megatron_sparsebalance import pretrain
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+    def accepted(cfg, *args, **kwargs):
+        raise AssertionError("the flags were accepted: training started")
+
+    monkeypatch.setattr(pretrain, "pretrain", accepted)
+    try:
+        rc = pretrain.main(args)
+    except SystemExit as exc:  # argparse refuses a value outside a flag's choices itself
+        rc = exc.code
+    return rc, capsys.readouterr().err

@@ -128,8 +128,8 @@ def test_killed_run_keeps_the_metrics_of_its_iterations(tmp_path):
     (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
      "--recompute-modules must be core_attn and/or mlp, got .'layernorm'. .megatron-core's layernorm recompute needs"),
 ])
-def test_bad_flags_name_the_flag(extra, match):
-    rc, err = run_pretrain(pretrain_cases.TINY + ["--train-iters", "1"] + extra)
+def test_bad_flags_name_the_flag(extra, match, capsys, monkeypatch):
+    rc, err = pretrain_cases.refused_in_process(pretrain_cases.TINY + ["--train-iters", "1"] + extra, capsys, monkeypatch)
     assert rc == 2 and re.search(match, err), err
 
 
