@@ -94,7 +94,7 @@ def refused_in_process(args, capsys, monkeypatch):
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
 
-    def accepted(cfg, *args, **kwargs):
+    def accepted(cfg, *_, **__):
         raise AssertionError("the flags were accepted: training started")
 
     monkeypatch.setattr(pretrain, "pretrain", accepted)

@@ -446,18 +446,17 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
 //
 // The forward runs three consumers at head dim 64 and two at 128 (fwd_consumers), dQ two
 // (DQ_CONSUMERS). A step of the forward waits on its products and then on its exponentials,
-// which take the MUFU as long as its two products take the tensor cores at head dim 64: with
-// two consumers per scheduler, neither unit was half busy. A third one (160 registers) made the
+// which take the MUFU as long as its two products take the tensor cores at head dim 64: with two
+// consumers per scheduler, neither unit was half busy. A third one (160 registers) made the
 // forward 8-10% faster at 0.5B; a fourth (112 registers, 64-key chunks) was up to 9% slower. At
 // head dim 128 three consumers fit only with 64-key chunks (O alone takes 64 registers), whose
-// score product, both operands in shared memory, reads 4 KB per 32 cycles of math: the SM's
-// whole 128 bytes a cycle. Two consumers (224 registers) take 128-key chunks and keep Q in
-// registers as the score product's A operand (load_a_frags), which then reads only K: the 3B
-// forward is 3-5% faster than with three at 25% density and as fast at 10%; without Q in
-// registers, two consumers were 1-1.5% faster at 25% (S = 32K/64K, one H200).
-// dQ holds S and dP as well: three consumers fit only with 64-key chunks, and at 0.5B the
-// backward was no faster; Q in registers there (head dim 128) made the 3B backward 3-4% slower
-// (docs/BENCHMARKS.md).
+// score product, both operands in shared memory, reads 4 KB per 32 cycles of math, all that an
+// SM's shared memory delivers meanwhile. Two consumers (224 registers) take 128-key chunks and
+// keep Q in registers as the score product's A operand (load_a_frags), which then reads only K:
+// the 3B forward is 3-5% faster than with three at 25% density and as fast at 10%; without Q in
+// registers, two consumers were 1-1.5% faster at 25% (S = 32K/64K, one H200). dQ holds S and dP
+// as well: three consumers fit only with 64-key chunks, and at 0.5B the backward was no faster;
+// Q in registers there (head dim 128) made the 3B backward 3-4% slower (docs/BENCHMARKS.md).
 //
 // The product that closes a step (P V, dS K) runs during the next step's exponentials: a
 // consumer issues chunk it's score products and then chunk it - 1's closing product, and hands
