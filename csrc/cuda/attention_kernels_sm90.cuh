@@ -226,16 +226,13 @@ __device__ __forceinline__ void product_over_head_dim(float (&acc)[N / 8][4], ui
   wgmma_commit();
 }
 
-// This lane's A fragments (to_a_frags' order) of rows row, row + 8 of a swizzled tile of ROWS rows
-// and D columns, for every 16 columns: an operand that stays in registers for a whole walk.
+// A warp's A fragments (to_a_frags' order) of the 16 rows from row0 of a swizzled tile of ROWS
+// rows and D columns, one ldmatrix per 16 columns (each lane names one 16-byte row segment, as
+// in warp_mm_nt): an operand that stays in registers for a whole walk.
 template <typename T, int D, int ROWS>
-__device__ __forceinline__ void load_a_frags(uint32_t (&a)[D / 16][4], const T* tile, int row, int lane) {
+__device__ __forceinline__ void load_a_frags(uint32_t (&a)[D / 16][4], const T* tile, int row0, int lane) {
 #pragma unroll
-  for (int s = 0; s < D / 16; ++s)
-#pragma unroll
-    for (int h = 0; h < 4; ++h)
-      a[s][h] = *reinterpret_cast<const uint32_t*>(
-          tile + sw128_offset<ROWS>(row + 8 * (h % 2), 16 * s + 8 * (h / 2) + 2 * (lane % 4)));
+  for (int s = 0; s < D / 16; ++s) ldsm_x4(a[s], tile + sw128_offset<ROWS>(row0 + lane % 16, 16 * s + (lane / 16) * 8));
 }
 
 // product_over_head_dim with A in registers (load_a_frags): only B is read from shared memory.
@@ -698,7 +695,7 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
   cta.wait_queries();
   constexpr bool Q_IN_REGISTERS = CONSUMERS == 2;  // room for it beside O and the scores (above)
   uint32_t qa[Q_IN_REGISTERS ? D / 16 : 1][4];
-  if constexpr (Q_IN_REGISTERS) load_a_frags<T, D, BM>(qa, cta.qtiles, wg * WG_ROWS + warp * 16 + lane / 4, lane);
+  if constexpr (Q_IN_REGISTERS) load_a_frags<T, D, BM>(qa, cta.qtiles, wg * WG_ROWS + warp * 16, lane);
   // One step per chunk; `diag` (std::true_type for the diagonal block's chunks) compiles the
   // causal mask into the steps that need it only.
   auto step = [&](int it, auto diag) {
