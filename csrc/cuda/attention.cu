@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
+#include <algorithm>
 #include <type_traits>
 
 #include "cuda/attention_kernels.cuh"
@@ -191,23 +192,41 @@ void run_fwd(const Params& p, cudaStream_t s, const at::Tensor& k, const at::Ten
          p);
 }
 
-// The Hopper dK/dV's CTA order (sm90::dkdv_order_kernel) from the transposed index's offsets.
-// The caller may drop it once the kernel that reads it is queued: the caching allocator hands
-// its bytes out again only to work queued after that on this stream.
-at::Tensor dkdv_order(const at::Tensor& q_ptr, int G, int NB, cudaStream_t s) {
-  const int pairs = G * NB;
-  int shift = 0;  // list lengths (at most NB) >> shift fit the bins
-  while ((NB >> shift) >= kernels::sm90::ORDER_BINS) ++shift;
-  at::Tensor order = at::empty({pairs}, q_ptr.options());
-  kernels::sm90::dkdv_order_kernel<<<1, kernels::sm90::ORDER_THREADS, 0, s>>>(q_ptr.data_ptr<int>(), pairs, shift,
-                                                                           order.data_ptr<int>());
+// The Hopper dK/dV's plan (sm90::dkdv_plan_kernel) from the transposed index's offsets, with
+// room for `max_slots` partial sums of cut lists. The caller may drop its tensors once the kernel
+// that reads them is queued: the caching allocator hands their bytes out again only to work
+// queued after that on this stream.
+struct DkdvPlan {
+  at::Tensor items, split, arrivals;
+  int max_items;
+};
+
+// CTA places a dK/dV walk is spread over: one per SM (one CTA fits an SM), so that no part of a
+// cut list is longer than an SM's share of the walk. Two per SM (parts of half a share) made the
+// kernel 3% slower at 0.5B 32K 25%, where they cut lists that whole ones balance as well.
+int dkdv_share() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+DkdvPlan dkdv_plan(const at::Tensor& q_ptr, int G, int NB, int nsub, int max_slots, cudaStream_t s) {
+  using kernels::sm90::PLAN_BINS;
+  const int pairs = G * NB, share = dkdv_share();
+  int shift = 0;  // part lengths (at most NB) >> shift fit the bins
+  while ((NB >> shift) >= PLAN_BINS) ++shift;
+  const auto opts = q_ptr.options();
+  DkdvPlan plan{at::empty({pairs + share, 4}, opts), at::empty({pairs, 2}, opts), at::empty({pairs * nsub}, opts),
+                pairs + share};
+  kernels::sm90::dkdv_plan_kernel<<<1, kernels::sm90::PLAN_THREADS, 0, s>>>(
+      q_ptr.data_ptr<int>(), pairs, shift, share, max_slots, nsub, plan.max_items,
+      reinterpret_cast<int4*>(plan.items.data_ptr<int>()), reinterpret_cast<int2*>(plan.split.data_ptr<int>()),
+      plan.arrivals.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return order;
+  return plan;
 }
 
+// `headroom`: bytes the dK/dV phase may allocate beyond dK, dV and delta without raising the
+// backward's peak (see the caller).
 template <typename T, int D>
 void run_dkdv(Params p, int64_t nrows, cudaStream_t s, const at::Tensor& q, const at::Tensor& dout,
-              const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_ptr) {
+              const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_ptr, int64_t headroom) {
   using namespace kernels;
   if (nrows > 0) {
     const int64_t ctas = (nrows + delta_rows_per_cta<D>() - 1) / delta_rows_per_cta<D>();
@@ -217,13 +236,25 @@ void run_dkdv(Params p, int64_t nrows, cudaStream_t s, const at::Tensor& q, cons
   }
   using Sm90 = sm90::DkdvTiles<T, D>;
   if (use_sm90(p.block, Sm90::KV_ROWS)) {
-    const at::Tensor order = dkdv_order(q_ptr, p.G, p.NB, s);
-    p.kv_order = order.data_ptr<int>();
+    const int nsub = p.block / Sm90::KV_ROWS, pairs = p.G * p.NB, share = dkdv_share();
+    // A slot holds one part's fp32 dK and dV (D per consumer thread) for each of a block's nsub
+    // chunks. A list cut into n parts takes n <= 2 (n - 1) slots, and the n - 1 < L / cap parts
+    // it adds come to fewer than share over all lists (total / cap0 <= share): 2 * share slots
+    // at most, and never more than the headroom less the plan (512-byte rounding each).
+    const int64_t slot_bytes = (int64_t)nsub * 2 * sm90::WG_THREADS * D * sizeof(float);
+    const int64_t plan_bytes = (int64_t)((pairs + share) * 4 + pairs * 2 + pairs * nsub) * sizeof(int) + 3 * 512;
+    const int max_slots = (int)std::min<int64_t>(std::max<int64_t>(headroom - plan_bytes, 0) / slot_bytes, 2 * share);
+    const DkdvPlan plan = dkdv_plan(q_ptr, p.G, p.NB, nsub, max_slots, s);
+    const at::Tensor partials = at::empty({max_slots * slot_bytes / (int64_t)sizeof(float)},
+                                          q.options().dtype(at::kFloat));
+    p.dkdv_items = reinterpret_cast<const int4*>(plan.items.data_ptr<int>());
+    p.dkdv_split = reinterpret_cast<const int2*>(plan.split.data_ptr<int>());
+    p.dkdv_arrivals = plan.arrivals.data_ptr<int>();
+    p.dkdv_partials = partials.data_ptr<float>();
     const int heads = sm90::dkdv_tile_heads(Sm90::QT, p.R), tokens = Sm90::QT / heads;
     const sm90::DkdvMaps maps{row_slab_map<T>(q, heads, tokens), row_slab_map<T>(dout, heads, tokens),
                               row_slab_map<T>(k, 1, Sm90::KV_ROWS), row_slab_map<T>(v, 1, Sm90::KV_ROWS)};
-    launch(sm90::dkdv_kernel<T, D>, dim3(p.NB * (p.block / Sm90::KV_ROWS) * p.G), Sm90::THREADS, Sm90::smem_bytes(), s,
-           p, maps);
+    launch(sm90::dkdv_kernel<T, D>, dim3(plan.max_items * nsub), Sm90::THREADS, Sm90::smem_bytes(), s, p, maps);
     return;
   }
   constexpr int QT = Tiles<D>::DKDV_QT;
@@ -308,8 +339,13 @@ std::vector<at::Tensor> sparse_attn_bwd_dkdv_cuda(const at::Tensor& dout, const 
   p.q_idx = q_idx.data_ptr<int>();
   auto s = at::cuda::getCurrentCUDAStream().stream();
   const int64_t nrows = q.size(0) * q.size(1);
+  // The caller frees the index before it allocates dQ (q's size): what dK/dV allocates besides
+  // the index may take the rest of those bytes (512-byte rounding each) and leave the peak as is,
+  // less 1 MiB: the caching allocator hands out a cached block whole when at most 1 MiB of it
+  // would be left over (the partial sums took a freed 32 MiB block for 31.9 MiB and passed dQ).
+  const int64_t headroom = q.nbytes() - q_ptr.nbytes() - q_idx.nbytes() - 2 * 512 - (1 << 20);
   dispatch(q, [&](auto kind) {
-    run_dkdv<typename decltype(kind)::type, decltype(kind)::dim>(p, nrows, s, q, dout, k, v, q_ptr);
+    run_dkdv<typename decltype(kind)::type, decltype(kind)::dim>(p, nrows, s, q, dout, k, v, q_ptr, headroom);
   });
   return {dk, dv, delta};
 }
@@ -351,16 +387,21 @@ void register_cuda_ops(pybind11::module& m) {
         pybind11::arg("kv_idx"), pybind11::arg("kv_cnt"), pybind11::arg("block_start"), pybind11::arg("block_end"),
         pybind11::arg("q_ptr"), pybind11::arg("q_idx"), pybind11::arg("softmax_scale"), pybind11::arg("block_size"));
   m.def(
-      "dkdv_order_cuda",
-      [](const at::Tensor& q_ptr, int64_t G, int64_t NB) {
+      "dkdv_plan_cuda",
+      [](const at::Tensor& q_ptr, int64_t G, int64_t NB, int64_t nsub, int64_t max_slots) {
         MSB_CHECK(q_ptr.is_cuda() && q_ptr.scalar_type() == at::kInt && q_ptr.is_contiguous() &&
                       q_ptr.numel() == G * NB + 1,
                   "q_ptr must be a contiguous int32 CUDA tensor of G * NB + 1 offsets");
+        MSB_CHECK(nsub >= 1 && max_slots >= 0, "nsub must be >= 1 and max_slots >= 0");
         const c10::cuda::CUDAGuard guard(q_ptr.device());
-        return dkdv_order(q_ptr, (int)G, (int)NB, at::cuda::getCurrentCUDAStream().stream());
+        const DkdvPlan plan = dkdv_plan(q_ptr, (int)G, (int)NB, (int)nsub, (int)max_slots,
+                                        at::cuda::getCurrentCUDAStream().stream());
+        return std::make_tuple(plan.items, plan.split, dkdv_share());
       },
-      "the order of the Hopper dK/dV kernel's CTAs: (group, KV block) pairs g * NB + kb, longest query list first",
-      pybind11::arg("q_ptr"), pybind11::arg("G"), pybind11::arg("NB"));
+      "the Hopper dK/dV kernel's plan: (items [pairs + share, 4] = (pair g * NB + kb, lo, hi, part), longest "
+      "first, pair -1 past the last; split [pairs, 2] = (first slot or -1, parts); share)",
+      pybind11::arg("q_ptr"), pybind11::arg("G"), pybind11::arg("NB"), pybind11::arg("nsub"),
+      pybind11::arg("max_slots"));
   m.def("sparse_attn_bwd_dq_cuda", &sparse_attn_bwd_dq_cuda, "block-sparse attention backward, dQ (CUDA)",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("lse"),
         pybind11::arg("delta"), pybind11::arg("kv_idx"), pybind11::arg("kv_cnt"), pybind11::arg("block_start"),

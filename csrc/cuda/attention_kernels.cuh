@@ -55,7 +55,13 @@ struct Params {
   const int* bend;
   const int* q_ptr;
   const int* q_idx;
-  const int* kv_order;  // the Hopper dK/dV's CTA order: (group, KV block) pairs g NB + kb
+  // The Hopper dK/dV's plan (sm90::dkdv_plan_kernel): its work items, longest first, each a part
+  // of a (group, KV block) pair's query list; per pair, where its parts' partial sums go; and
+  // per pair and chunk of KV rows, how many parts have finished.
+  const int4* dkdv_items;
+  const int2* dkdv_split;
+  int* dkdv_arrivals;
+  float* dkdv_partials;
   int NB, KMAX, R, HQ, G, block;
   uint64_t r_magic;  // ceil(2^32 / R): div_r's multiplier
   float scale, scale_log2;

@@ -62,6 +62,9 @@ __device__ __forceinline__ int warp_in_warpgroup() {
   return __shfl_sync(0xffffffffu, threadIdx.x % WG_THREADS / 32, 0);
 }
 
+// A barrier of the two consumer warpgroups of dK/dV alone (named barrier 1; 0 is the CTA's).
+__device__ __forceinline__ void consumer_barrier() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+
 template <int ROWS>
 struct Swizzled128 {
   __device__ static int offset(int r, int c) { return sw128_offset<ROWS>(r, c); }
@@ -140,6 +143,20 @@ struct ChunkMaps {
   CUtensorMap k, v;
 };
 
+// Two swizzled tiles of ROWS rows by D columns, a from map_a and b from map_b at head h and token
+// t, by TMA: one box per 64-column slab of each, their bytes announced on `bar` first. Issued by
+// one thread; the caller's others only arrive on `bar`.
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void tma_load_tile_pair(T* a, T* b, const CUtensorMap* map_a, const CUtensorMap* map_b,
+                                                   int h, int t, uint64_t* bar) {
+  mbar_expect_tx(bar, 2 * ROWS * D * sizeof(T));
+#pragma unroll
+  for (int c = 0; c < D; c += SW_COLS) {
+    tma_load_3d(a + c * ROWS, map_a, c, h, t, bar);
+    tma_load_3d(b + c * ROWS, map_b, c, h, t, bar);
+  }
+}
+
 // Heads per dK/dV query tile: a tile of QT rows is QT / R whole tokens of the group's R heads
 // where R divides QT (the rows the forward and dQ pack), else QT tokens of one head. Either is one
 // box of a TMA copy. Packed tiles at other R would start inside a token (R = 7 at 0.5B), and the
@@ -147,32 +164,36 @@ struct ChunkMaps {
 // schedulers. The host shapes the maps' boxes by the same rule.
 __host__ __device__ constexpr int dkdv_tile_heads(int qt, int R) { return qt % R == 0 ? R : 1; }
 
-// The query tiles of a dK/dV CTA: for each query block of its KV block's list (the transposed
-// index, walked from the end, so the diagonal block comes last), tiles of `heads` heads (from
-// head h of the group) by QT / heads tokens (from token t of the block). In the diagonal block
-// the walk starts at the first tile that reaches the chunk's keys (n0); earlier rows see none.
+// The query tiles of a dK/dV CTA: for each query block of its part [lo, hi) of its KV block's
+// list (the transposed index, walked from the end, so the diagonal block, entry 0, comes last),
+// tiles of `heads` heads (from head h of the group) by QT / heads tokens (from token t of the
+// block). In the diagonal block the walk starts at the first tile that reaches the chunk's keys
+// (n0); earlier rows see none.
 template <int QT>
 struct BoxWalk {
-  int kb, p0, e, heads, tokens, t_diag;
+  int kb, p0, e, lo, heads, tokens, t_diag;
   int q0, qlen;  // the query block: tokens [q0, q0 + qlen)
   int h, t;      // the tile's first head (of the group) and first token (of the block)
 
-  __device__ BoxWalk(const Params& p, int g, int kb_, int n0)
-      : kb(kb_), heads(dkdv_tile_heads(QT, p.R)), tokens(QT / heads), t_diag(n0 / tokens * tokens) {
+  __device__ BoxWalk(const Params& p, int g, int kb_, int n0, int lo_, int hi)
+      : kb(kb_), e(hi - 1), lo(lo_), heads(dkdv_tile_heads(QT, p.R)), tokens(QT / heads),
+        t_diag(n0 / tokens * tokens) {
     p0 = p.q_ptr[g * p.NB + kb];
-    e = p.q_ptr[g * p.NB + kb + 1] - p0 - 1;
-    if (e >= 0) enter(p);
+    if (e >= lo) enter(p);
   }
-  __device__ bool done() const { return e < 0; }
+  __device__ bool done() const { return e < lo; }
   __device__ bool diag() const { return e == 0; }
   // Block-relative token of the tile's row i (i / R by div_r where tiles pack the heads).
   __device__ int token(int i, const Params& p) const { return t + (heads == 1 ? i : div_r(i, p)); }
+  // How many of the tile's rows hold tokens before block-relative token `tok`: token(i) < tok
+  // for i < (tok - t) heads (none where that is negative).
+  __device__ int rows_before(int tok) const { return (tok - t) * heads; }
   __device__ void next(const Params& p) {
     t += tokens;
     if (t < qlen) return;
     t = e == 0 ? t_diag : 0;
     h += heads;
-    if (h == p.R && --e >= 0) enter(p);
+    if (h == p.R && --e >= lo) enter(p);
   }
 
  private:
@@ -196,14 +217,7 @@ __device__ __forceinline__ void load_query_tile(T* q_dst, T* do_dst, float* lse_
                                                 const DkdvMaps& maps, const BoxWalk<QT>& w, int g,
                                                 const Params& p) {
   const int head0 = g * p.R + w.h;
-  if (threadIdx.x == 0) {
-    mbar_expect_tx(full, 2 * QT * D * sizeof(T));
-#pragma unroll
-    for (int c = 0; c < D; c += SW_COLS) {
-      tma_load_3d(q_dst + c * QT, &maps.q, c, head0, w.q0 + w.t, full);
-      tma_load_3d(do_dst + c * QT, &maps.dout, c, head0, w.q0 + w.t, full);
-    }
-  }
+  if (threadIdx.x == 0) tma_load_tile_pair<T, D, QT>(q_dst, do_dst, &maps.q, &maps.dout, head0, w.q0 + w.t, full);
   static_assert(QT <= NT, "one lse and delta value per thread");
   if (threadIdx.x < QT) {
     const int i = threadIdx.x, tok = w.token(i, p);
@@ -246,7 +260,7 @@ __device__ __forceinline__ void product_over_head_dim_rs(float (&acc)[N / 8][4],
 
 // One query tile of a consumer's 64 keys: the four products and the scores between them (the
 // sequence in the comment above). dK's products are left in flight. DIAG masks the keys after
-// each row's token (the walk's; key_tok counts from the same block).
+// each query row's token (key_tok counts from the walk's block).
 template <typename T, int D, int KV_ROWS, int QT, bool DIAG>
 __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[1][D / 8][4], uint64_t k_desc,
                                           uint64_t v_desc, const T* Qc, const T* dOc, const float* lse_c,
@@ -263,6 +277,13 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
   wgmma_fence();
   product_over_head_dim<T, D, KV_ROWS, QT>(st[0], k_desc, wg * WG_ROWS, q_k);
   product_over_head_dim<T, D, KV_ROWS, QT>(dpt[0], v_desc, wg * WG_ROWS, do_k);
+  // The causal mask: this lane's column 8 j + 2 (lane % 4) + c (a query row of the tile) is
+  // hidden from its key h where 8 j + c < visible[h], a comparison with a constant. Written with
+  // each column's token (walk.token), the diagonal steps held 32 hoisted divisions by R in
+  // registers, and any code added after the walk made them spill.
+  int visible[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) visible[h] = walk.rows_before(key_tok + 8 * h) - 2 * (lane % 4);
   wgmma_wait<1>();  // S^T done; dP^T may still run
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
@@ -270,9 +291,8 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
     const float2 lse2 = *reinterpret_cast<const float2*>(lse_c + 8 * j + 2 * (lane % 4));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int col = 8 * j + 2 * (lane % 4) + (e & 1);
       const float pe = exp2f(fmaf(st[0][j][e], p.scale_log2, -(e & 1 ? lse2.y : lse2.x)));
-      st[0][j][e] = DIAG && key_tok + 8 * (e / 2) > walk.token(col, p) ? 0.f : pe;
+      st[0][j][e] = DIAG && 8 * j + (e & 1) < visible[e / 2] ? 0.f : pe;
     }
   }
   uint32_t pa[1][QT / 16][4];
@@ -320,29 +340,125 @@ __device__ __forceinline__ void store_dkdv(const float (&dk)[1][D / 8][4], const
   }
 }
 
-// The order in which dK/dV's CTAs start: (group, KV block) pairs g NB + kb by the length of
-// their query lists, longest first, counted from the transposed index (q_ptr). The lists differ
-// by up to 100x (a KV block that many query blocks select against one that few do), and the
-// grid's fixed order only guesses them from the block's position: a schedule of the real lists
-// in that order ended 1-10% after the ideal at 0.5B (S = 32K/64K, 10%/25%), longest first
-// 0.3-1.7% after it, except at 32K 10%, where one list alone is longer than an SM's share of the
-// work. Lists are binned by length >> shift (ORDER_BINS bins); the order within a bin depends on
-// the atomics' order, which changes no result: every CTA writes its own rows of dK and dV only.
-constexpr int ORDER_THREADS = 1024, ORDER_BINS = ORDER_THREADS;
+// The dK/dV kernel's work, planned on the GPU from the transposed index's offsets (q_ptr), so
+// that the host needs no list length. A CTA walks one part of a (group, KV block) pair's query
+// list (BoxWalk), and the parts start longest first.
+//
+// Parts: the lists differ by up to 100x (a KV block that many query blocks select against one
+// that few do). At S = 32K, 10% the longest took 1.2x an SM's share of the whole walk (132 SMs),
+// at 8K 3-5x, and its CTA ran on alone after the rest had finished. A list longer than `cap`
+// query blocks is cut into ceil(L / cap) parts of equal length. cap is the smallest of cap0,
+// 2 cap0, 4 cap0, ... whose parts' partial sums fit the `max_slots` slots the host allocated,
+// with cap0 = ceil(total / share) for `share` CTA places (the SMs: no part is longer than an
+// SM's share). Each part of a cut list writes its fp32 dK and dV to its slot; the last to finish
+// (counted in dkdv_arrivals) adds the slots up in the parts' order and stores the sum, so the
+// gradients stay deterministic (dkdv_combine_parts). On one H200 this made the kernel 2.0x faster
+// at 3B 8K 10%, 2.5x at 8K 25%, 17% at 3B 32K 10% and 7% at 0.5B 32K 10% (docs/BENCHMARKS.md).
+//
+// Order: a schedule of the real lists, longest first, ended 0.3-1.7% after the ideal at 0.5B
+// (S = 32K/64K, 10%/25%) against 1-10% in the grid's fixed order. Parts are binned by length
+// >> shift (PLAN_BINS bins); the order within a bin depends on the atomics' order, which changes
+// no result.
+//
+// Out: items[i] = (pair g NB + kb, lo, hi, part) for i < the number of parts, pair -1 after it
+// (up to max_items = pairs + share, the most parts there can be); split[pair] = (first slot or
+// -1 where the list is whole, parts); arrivals zeroed for the pairs' nsub chunks of KV rows.
+constexpr int PLAN_THREADS = 1024, PLAN_BINS = PLAN_THREADS, PLAN_CAPS = 16, MIN_PART = 2;
 
-__global__ void __launch_bounds__(ORDER_THREADS) dkdv_order_kernel(const int* q_ptr, int pairs, int shift,
-                                                                   int* order) {
-  __shared__ int start[ORDER_BINS];  // bin sizes, then each bin's next free place in `order`
-  const auto bin = [&](int e) { return ORDER_BINS - 1 - min((q_ptr[e + 1] - q_ptr[e]) >> shift, ORDER_BINS - 1); };
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+__global__ void __launch_bounds__(PLAN_THREADS) dkdv_plan_kernel(const int* q_ptr, int pairs, int shift, int share,
+                                                                 int max_slots, int nsub, int max_items, int4* items,
+                                                                 int2* split, int* arrivals) {
+  __shared__ int start[PLAN_BINS];   // bin sizes, then each bin's next free place in `items`
+  __shared__ int slots[PLAN_CAPS];   // slots the cut lists take at cap0 << c
+  __shared__ int n_items, cap;
+  const auto length = [&](int e) { return q_ptr[e + 1] - q_ptr[e]; };
+  const int cap0 = max(MIN_PART, ceil_div(q_ptr[pairs] - q_ptr[0], share));
+  const auto cap_at = [&](int c) { return (int)min((long long)cap0 << c, (long long)INT_MAX); };
   start[threadIdx.x] = 0;
+  if (threadIdx.x < PLAN_CAPS) slots[threadIdx.x] = 0;
+  if (threadIdx.x == 0) n_items = 0;
+  for (int i = threadIdx.x; i < pairs * nsub; i += PLAN_THREADS) arrivals[i] = 0;
   __syncthreads();
-  for (int e = threadIdx.x; e < pairs; e += ORDER_THREADS) atomicAdd(&start[bin(e)], 1);
+  for (int e = threadIdx.x; e < pairs; e += PLAN_THREADS)
+    for (int c = 0, n; c < PLAN_CAPS && (n = ceil_div(length(e), cap_at(c))) > 1; ++c) atomicAdd(&slots[c], n);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int c = 0;
+    while (c < PLAN_CAPS && slots[c] > max_slots) ++c;
+    cap = c < PLAN_CAPS ? cap_at(c) : INT_MAX;  // INT_MAX: no list is cut
+  }
+  __syncthreads();
+  const auto parts = [&](int e) { return max(1, ceil_div(length(e), cap)); };
+  const auto bin = [&](int len) { return PLAN_BINS - 1 - min(len >> shift, PLAN_BINS - 1); };
+  // Slots in pair order: each thread takes a contiguous run of pairs.
+  const int run = ceil_div(pairs, PLAN_THREADS), e0 = min(pairs, threadIdx.x * run), e1 = min(pairs, e0 + run);
+  int mine = 0;
+  for (int e = e0; e < e1; ++e) mine += parts(e) > 1 ? parts(e) : 0;
+  int slot = cta_exclusive_sum(mine);
+  for (int e = e0; e < e1; ++e) {
+    const int n = parts(e), L = length(e);
+    split[e] = make_int2(n > 1 ? slot : -1, n);
+    if (n > 1) slot += n;
+    for (int j = 0; j < n; ++j) atomicAdd(&start[bin((j + 1) * L / n - j * L / n)], 1);
+    atomicAdd(&n_items, n);
+  }
   __syncthreads();
   // Each bin's first place: the sizes of the bins before it (one bin per thread). Every thread
   // has read its size before the scan's first barrier, so the write after it races with none.
   start[threadIdx.x] = cta_exclusive_sum(start[threadIdx.x]);
   __syncthreads();
-  for (int e = threadIdx.x; e < pairs; e += ORDER_THREADS) order[atomicAdd(&start[bin(e)], 1)] = e;
+  for (int e = e0; e < e1; ++e) {
+    const int n = parts(e), L = length(e);
+    for (int j = 0; j < n; ++j) {
+      const int lo = j * L / n, hi = (j + 1) * L / n;
+      items[atomicAdd(&start[bin(hi - lo)], 1)] = make_int4(e, lo, hi, j);
+    }
+  }
+  for (int i = n_items + threadIdx.x; i < max_items; i += PLAN_THREADS) items[i] = make_int4(-1, 0, 0, 0);
+}
+
+// Consumers of a part of a cut list (split = (first slot, parts)): this part's dK and dV into
+// its slot, and, in the part that finishes last, the sum of all the parts' slots in their order
+// into dk and dv, which it then stores. Returns whether this CTA is that part. A slot holds each
+// consumer thread's D accumulators where that thread reads them back (16-byte vectors, thread
+// fastest): the parts' CTAs hold the same rows and columns in the same registers.
+template <int D>
+__device__ __forceinline__ bool dkdv_combine_parts(float (&dk)[1][D / 8][4], float (&dv)[1][D / 8][4], int2 split,
+                                                   int part, int arrival, int nsub, int sub, const Params& p) {
+  constexpr int THREADS = 2 * WG_THREADS, SLOT = THREADS * D;  // floats
+  const int ct = threadIdx.x - WG_THREADS;
+  const auto slot_at = [&](int j) {
+    return reinterpret_cast<float4*>(p.dkdv_partials + ((int64_t)(split.x + j) * nsub + sub) * SLOT) + ct;
+  };
+  float4* mine = slot_at(part);
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    mine[j * THREADS] = make_float4(dk[0][j][0], dk[0][j][1], dk[0][j][2], dk[0][j][3]);
+    mine[(D / 8 + j) * THREADS] = make_float4(dv[0][j][0], dv[0][j][1], dv[0][j][2], dv[0][j][3]);
+  }
+  // The classic last-block pattern: every thread's writes are fenced before the consumers'
+  // barrier, after which one thread counts the part in.
+  __shared__ int last;
+  __threadfence();
+  consumer_barrier();
+  if (ct == 0) last = atomicAdd(p.dkdv_arrivals + arrival, 1) == split.y - 1;
+  consumer_barrier();
+  if (!last) return false;
+  __threadfence();
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    float4 k4 = __ldcg(slot_at(0) + j * THREADS), v4 = __ldcg(slot_at(0) + (D / 8 + j) * THREADS);
+    for (int i = 1; i < split.y; ++i) {
+      const float4 a = __ldcg(slot_at(i) + j * THREADS), b = __ldcg(slot_at(i) + (D / 8 + j) * THREADS);
+      k4 = make_float4(k4.x + a.x, k4.y + a.y, k4.z + a.z, k4.w + a.w);
+      v4 = make_float4(v4.x + b.x, v4.y + b.y, v4.z + b.z, v4.w + b.w);
+    }
+    dk[0][j][0] = k4.x, dk[0][j][1] = k4.y, dk[0][j][2] = k4.z, dk[0][j][3] = k4.w;
+    dv[0][j][0] = v4.x, dv[0][j][1] = v4.y, dv[0][j][2] = v4.z, dv[0][j][3] = v4.w;
+  }
+  return true;
 }
 
 template <typename T, int D>
@@ -363,10 +479,12 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
   uint64_t* empty = full + STAGES;
   uint64_t* kv_full = empty + STAGES;
 
-  // Linear grid in dkdv_order_kernel's order, the longest query lists first; a KV block's
-  // chunks are adjacent.
-  const int nsub = p.block / KV_ROWS, pair = p.kv_order[blockIdx.x / nsub];
-  const int g = pair / p.NB, kb = pair % p.NB, n0 = (blockIdx.x % nsub) * KV_ROWS;
+  // Linear grid over dkdv_plan_kernel's items, the longest parts first; a KV block's chunks are
+  // adjacent. The grid has room for the most parts there can be; the rest return here.
+  const int nsub = p.block / KV_ROWS, sub = blockIdx.x % nsub;
+  const int4 item = p.dkdv_items[blockIdx.x / nsub];  // (pair, lo, hi, part)
+  if (item.x < 0) return;
+  const int g = item.x / p.NB, kb = item.x % p.NB, n0 = sub * KV_ROWS;
   const int b0 = p.bstart[kb], blen = p.bend[kb] - b0;
   if (n0 >= blen) return;
   const int nvalid = min(KV_ROWS, blen - n0);
@@ -376,16 +494,9 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
     regs_dec<Tiles::PRODUCER_REGS>();
     // K and V rows past the block hold the next tokens (or zeros past the tensor): they only
     // reach their own rows of dK and dV, which store_dkdv does not write.
-    if (threadIdx.x == 0) {
-      mbar_expect_tx(kv_full, 2 * KV_ROWS * D * sizeof(T));
-#pragma unroll
-      for (int c = 0; c < D; c += SW_COLS) {
-        tma_load_3d(Ks + c * KV_ROWS, &maps.k, c, g, b0 + n0, kv_full);
-        tma_load_3d(Vs + c * KV_ROWS, &maps.v, c, g, b0 + n0, kv_full);
-      }
-    }
+    if (threadIdx.x == 0) tma_load_tile_pair<T, D, KV_ROWS>(Ks, Vs, &maps.k, &maps.v, g, b0 + n0, kv_full);
     mbar_arrive(kv_full);
-    BoxWalk<QT> w(p, g, kb, n0);
+    BoxWalk<QT> w(p, g, kb, n0, item.y, item.z);
     for (int j = 0; !w.done(); ++j) {
       const int buf = j % STAGES;
       if (j >= STAGES) mbar_wait(empty + buf, (j / STAGES - 1) & 1);
@@ -405,7 +516,7 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
     zero(dk);
     zero(dv);
     mbar_wait(kv_full, 0);
-    BoxWalk<QT> walk(p, g, kb, n0);
+    BoxWalk<QT> walk(p, g, kb, n0, item.y, item.z);
     // One step per query tile; `diag` (std::true_type for the diagonal block's tiles, the walk's
     // last) compiles the causal mask into the steps that need it only.
     auto step = [&](int it, auto diag) {
@@ -424,6 +535,8 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
     int it = 0;
     for (; !walk.done() && !walk.diag(); ++it) step(it, std::false_type{});
     for (; !walk.done(); ++it) step(it, std::true_type{});
+    const int2 split = p.dkdv_split[item.x];
+    if (split.x >= 0 && !dkdv_combine_parts<D>(dk, dv, split, item.w, item.x * nsub + sub, nsub, sub, p)) return;
     store_dkdv<T, D>(dk, dv, key_tok - n0, nvalid, b0 + n0, g, lane, p);
   }
 #else
@@ -591,14 +704,7 @@ struct QueryCta {
       T* const k_dst = Ks + buf * CH * D;
       T* const v_dst = Vs + buf * CH * D;
       if (c.nvalid == CH) {
-        if (threadIdx.x == 0) {
-          mbar_expect_tx(full + buf, 2 * CH * D * sizeof(T));
-#pragma unroll
-          for (int col = 0; col < D; col += SW_COLS) {
-            tma_load_3d(k_dst + col * CH, &maps.k, col, g, c.k0, full + buf);
-            tma_load_3d(v_dst + col * CH, &maps.v, col, g, c.k0, full + buf);
-          }
-        }
+        if (threadIdx.x == 0) tma_load_tile_pair<T, D, CH>(k_dst, v_dst, &maps.k, &maps.v, g, c.k0, full + buf);
         mbar_arrive(full + buf);
       } else {
         copier.copy(k_dst, v_dst, c);

@@ -2,8 +2,10 @@
 
 Owns the Python face of ``csrc/cuda/attention.cu``: its forward and backward, registered as
 ``torch.library`` ops with an eager autograd path (``registration.py``). Same contract as
-every implementation (DESIGN.md §2). The backward has no atomics, so it is deterministic; its
-transposed (per-KV-block) index is built on the GPU without a host synchronisation.
+every implementation (DESIGN.md §2). The backward adds no floating-point values atomically (the
+Hopper dK/dV sums the parts of the long query lists it cuts in a fixed order), so it is
+deterministic; its transposed (per-KV-block) index and the dK/dV's plan are built on the GPU
+without a host synchronisation.
 
 Shape legend: T tokens, HQ query heads, G KV-head groups, D head dim, NB blocks, K max budget.
 """

@@ -103,9 +103,18 @@ def test_dense_when_budget_covers_all(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_deterministic(impl):
-    """The backward has no atomics: two runs give bitwise equal gradients."""
+    """Two runs give bitwise equal gradients: no floating-point atomics anywhere, and the CUDA
+    dK/dV adds up the parts of the query lists it cuts in a fixed order. Its plan cuts lists here
+    even with 100 slots, fewer than the backward has (about 122: dQ's 9.1 MB less 1 MiB over 64 KiB slots),
+    and more slots never raise the cap."""
     fn = _impl(impl)
     q, k, v, route = _pack([4096, 1000], 14, 2, 64, torch.bfloat16, 128, 6)
+    if impl == "cuda":
+        from megatron_sparsebalance.ops import cuda_attention, native
+
+        q_ptr, _ = cuda_attention.transpose_index_gpu(route.kv_idx, route.kv_cnt)
+        _, split, _ = native.native().dkdv_plan_cuda(q_ptr, *route.kv_idx.shape[:2], 1, 100)
+        assert (split[:, 1] > 1).any()
     go = torch.randn(q.shape, device="cuda", dtype=q.dtype)
     a = _grads(fn(q, k, v, route, 0.125), (q, k, v), go)
     b = _grads(fn(q, k, v, route, 0.125), (q, k, v), go)
@@ -127,19 +136,22 @@ def test_large_values_no_nan(impl):
         assert torch.isfinite(t).all()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_backward_peak_is_the_gradients_and_delta(impl):
+@pytest.mark.parametrize("impl,block", [("triton", 64), ("cuda", 64), ("cuda", 128)])
+def test_backward_peak_is_the_gradients_and_delta(impl, block):
     """The transposed index is freed before dQ is allocated, so at the backward's peak only the
     three gradients and delta are live (what FlexAttention's backward holds; its index comes with
-    its BlockMask, built before the step). The index here is 128 KiB, above any rounding."""
+    its BlockMask, built before the step). At block 64 the index is 128 KiB, above any rounding.
+    At block 128 the Hopper dK/dV cuts the longest query lists (up to 64 blocks, 32.5 on average)
+    and keeps their parts' fp32 sums (slots of 31 MiB here, 16 of them used) only while dQ is not
+    yet allocated."""
     import importlib
 
     _impl(impl)
     ta = importlib.import_module(f"megatron_sparsebalance.ops.{impl}_attention")
-    q, k, v, route = _pack([8192], 16, 2, 128, torch.bfloat16, 64, "all")
+    q, k, v, route = _pack([8192], 16, 2, 128, torch.bfloat16, block, "all")
     lay = route.layout
     scale = 1 / math.sqrt(128)
-    args = (route.kv_idx, route.kv_cnt, lay.block_start, lay.block_end, scale, 64)
+    args = (route.kv_idx, route.kv_cnt, lay.block_start, lay.block_end, scale, block)
     with torch.no_grad():
         out, lse = ta._forward(q, k, v, *args)
     go = torch.randn(q.shape, device="cuda", dtype=q.dtype)
@@ -155,7 +167,7 @@ def test_backward_peak_is_the_gradients_and_delta(impl):
 
     live = [t.numel() * t.element_size() for t in (dq, dk, dv)] + [q.shape[0] * q.shape[1] * 4]  # + delta
     index_bytes = route.kv_idx.numel() * 4
-    assert index_bytes >= 128 * 1024
+    assert block != 64 or index_bytes >= 128 * 1024
     assert peak <= sum(block_bytes(n) for n in live), (peak, sum(live), index_bytes)
 
 
@@ -183,28 +195,76 @@ def test_transposed_index_matches_router(build):
         assert torch.equal(qp, rp) and torch.equal(qi[: ri.numel()], ri), (lens, block, budget)
 
 
-def test_dkdv_order_is_a_permutation_longest_list_first():
-    """The Hopper dK/dV's CTA order: every (group, KV block) pair once, their query lists'
-    lengths never increasing along it (exactly below 1024 blocks; binned by length >> shift
-    above, so only the bins never increase), at small and large NB and G."""
+def _expected_cap(lengths, share, max_slots):
+    """The cap dkdv_plan_kernel picks: the smallest of cap0 << c (c < 16) whose cut lists'
+    parts fit max_slots, cap0 = max(2, ceil(total / share)); None: no list is cut."""
+    cap0 = max(2, -(-int(lengths.sum()) // share))
+    for c in range(16):
+        cap = cap0 << c
+        parts = -(-lengths // cap)
+        if int(parts[parts > 1].sum()) <= max_slots:
+            return cap
+    return None
+
+
+def _check_plan(lengths, items, split, share, max_slots, shift):
+    pairs = lengths.numel()
+    cap = _expected_cap(lengths, share, max_slots)
+    want = torch.ones_like(lengths) if cap is None else (-(-lengths // cap)).clamp(min=1)
+    assert torch.equal(split[:, 1], want.int())
+    n = int(want.sum())
+    assert n <= pairs + share and items.shape[0] == pairs + share
+    assert (items[:n, 0] >= 0).all() and (items[n:, 0] == -1).all()
+    live = items[:n].long()
+    # every list is covered by its parts, in order, without overlap: part j = [j L / n, (j + 1) L / n)
+    live = live[(live[:, 0] * (pairs + share) + live[:, 3]).argsort()]
+    first = torch.repeat_interleave(want.cumsum(0) - want, want)
+    assert torch.equal(live[:, 0], torch.repeat_interleave(torch.arange(pairs), want))
+    assert torch.equal(live[:, 3], torch.arange(n) - first)
+    L, parts = lengths[live[:, 0]], want[live[:, 0]]
+    assert torch.equal(live[:, 1], live[:, 3] * L // parts) and torch.equal(live[:, 2], (live[:, 3] + 1) * L // parts)
+    # slots: one per part of a cut list, disjoint ranges within max_slots; whole lists take none
+    cut = want > 1
+    assert (split[~cut, 0] == -1).all()
+    starts, counts = split[cut, 0].long(), want[cut]
+    order = starts.argsort()
+    ends = starts[order] + counts[order]
+    assert (starts[order][1:] >= ends[:-1]).all() and int(counts.sum()) <= max_slots
+    if cut.any():
+        assert int(starts.min()) >= 0 and int(ends.max()) <= max_slots
+    # longest part first (binned by length >> shift)
+    lens = (items[:n, 2] - items[:n, 1]).long() >> shift
+    assert (lens.diff() <= 0).all()
+    return cap
+
+
+def test_dkdv_plan_cuts_long_lists_and_orders_parts_longest_first():
+    """The Hopper dK/dV's plan (dkdv_plan_kernel) from a transposed index's offsets: lists longer
+    than the cap cut into equal parts that cover them exactly once, the cap the smallest whose
+    parts' partial sums fit the slots given, each cut list's slots its own, the parts in order of
+    length (binned by length >> shift above 1024 blocks); at small and large NB and G, with few
+    slots and none, and as the backward builds it from a route's transposed index."""
     from megatron_sparsebalance.ops import cuda_attention, native
 
     _impl("cuda")
     ext = native.native()
     gen = torch.Generator().manual_seed(0)
-    for G, NB, shift in ((1, 1, 0), (2, 512, 0), (3, 700, 0), (2, 5000, 3)):
-        counts = torch.randint(0, NB + 1, (G * NB,), generator=gen, dtype=torch.int32)
-        q_ptr = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()]).cuda()
-        order = ext.dkdv_order_cuda(q_ptr, G, NB).cpu()
-        assert torch.equal(order.sort().values, torch.arange(G * NB, dtype=torch.int32)), (G, NB)
-        assert ((counts[order.long()] >> shift).diff() <= 0).all(), (G, NB)
-    # as the backward builds it, from a route's transposed index
+    # short lists and a few that every query block selects (the lists the plan cuts)
+    for G, NB, shift, max_slots in ((1, 1, 0, 528), (2, 512, 0, 528), (3, 700, 0, 40), (2, 5000, 3, 528),
+                                    (2, 512, 0, 0), (2, 512, 0, 3)):
+        lengths = torch.randint(0, 9, (G * NB,), generator=gen)
+        lengths[torch.randperm(G * NB, generator=gen)[:3]] = NB
+        q_ptr = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()]).cuda()
+        items, split, share = ext.dkdv_plan_cuda(q_ptr, G, NB, 1, max_slots)
+        cap = _check_plan(lengths, items.cpu(), split.cpu(), share, max_slots, shift)
+        # three lists of NB blocks: cut where 40 slots or more hold their parts, whole with 0 or 3
+        assert bool((split[:, 1] > 1).any()) == (max_slots >= 40 and G * NB > 1), (G, NB, max_slots, cap)
     *_, route = _pack([9000, 3000], 8, 2, 64, torch.bfloat16, 128, 7)
     q_ptr, _ = cuda_attention.transpose_index_gpu(route.kv_idx, route.kv_cnt)
     G, NB = route.kv_idx.shape[:2]
-    lengths = q_ptr.diff().cpu()
-    order = ext.dkdv_order_cuda(q_ptr, G, NB).cpu().long()
-    assert torch.equal(order.sort().values, torch.arange(G * NB)) and (lengths[order].diff() <= 0).all()
+    for nsub in (1, 2):
+        items, split, share = ext.dkdv_plan_cuda(q_ptr, G, NB, nsub, 528)
+        assert _check_plan(q_ptr.diff().cpu().long(), items.cpu(), split.cpu(), share, 528, 0) is not None
 
 
 def test_cuda_extension_refuses_bad_input_with_a_message():
