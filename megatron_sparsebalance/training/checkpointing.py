@@ -17,6 +17,7 @@ A crash mid-save leaves a directory without ``complete`` and an unchanged
 from __future__ import annotations
 
 import os
+import queue
 import random
 import shutil
 from typing import Any, Optional
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.utils import unwrap_model
 
 FORMAT = "megatron-sparsebalance/1"
@@ -60,6 +63,46 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _write_buckets_in_this_process(transform_list, use_msc, rank, write_buckets, results_queue) -> None:
+    """Write each of this rank's buckets from the calling process, in order, and hand the
+    results over as megatron-core's forked writer does (one dict per save, or the exception)."""
+    results: dict = {}
+    for index, bucket in enumerate(write_buckets):
+        done, count = queue.Queue(), queue.Queue()
+        count.put(index)  # the writer takes one item off and marks it done, as its forked worker would
+        FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, done, count, use_fsync=True,
+                                                   use_msc=use_msc)
+        _, written = done.get_nowait()
+        if isinstance(written, Exception):
+            results_queue.put(written)
+            return
+        results[index] = written
+    results_queue.put(results)
+
+
+class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+    """megatron-core's ``torch_dist`` format, written by the calling process.
+
+    megatron-core 0.16's writer forks one process per bucket at every save. A fork copies the
+    locks that the parent's other threads (gloo, NCCL, queue feeders) hold at that instant, and a
+    child that needs one waits forever, and so does its parent in ``count_queue.join()``: the
+    CPU suite once hung there until CI's time ran out. Upstream later replaced the fork with
+    threads; until the pinned version has that, the buckets are written here, one after another.
+    The files and the metadata are the same; only the process that writes them differs.
+    """
+
+    def __init__(self):
+        super().__init__("torch_dist", 1)
+
+    def save(self, sharded_state_dict, checkpoint_dir):
+        request = self.async_save(sharded_state_dict, checkpoint_dir)
+        if request.async_fn is not None:  # None: nothing to write on this rank
+            transform_list, use_msc = request.async_fn.args
+            request = request._replace(
+                async_fn=lambda *args: _write_buckets_in_this_process(transform_list, use_msc, *args))
+        request.execute_sync()
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer=None, common: Optional[dict] = None,
                     rank_files: Optional[dict] = None) -> str:
     """Save on every rank (collective); returns the checkpoint directory.
@@ -79,7 +122,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer=None, common: Op
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd)
     state["common"] = {"format": FORMAT, "iteration": iteration, **(common or {})}
-    dist_checkpointing.save(state, path)
+    dist_checkpointing.save(state, path, sharded_strategy=InProcessTorchDistSave())
     torch.save(rng_state(), os.path.join(path, f"rng_rank{_rank()}.pt"))
     for name, value in (rank_files or {}).items():
         torch.save(value, rank_file(path, name))
