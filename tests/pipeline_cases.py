@@ -44,6 +44,16 @@ def reference(weights_path, out_path, lengths_per_dp, seed):
     torch.save(results, out_path)
 
 
+def each_case(fn, cases):
+    """``fn(*args)`` for each ``(name, args)`` of ``cases`` in one launch of processes: starting
+    the processes takes longer than a small case. A failure names its case."""
+    for name, args in cases:
+        try:
+            fn(*args)
+        except Exception as e:
+            raise AssertionError(f"case {name!r} failed") from e
+
+
 def stage_key_to_full(key: str, pp_rank: int, pp: int) -> str:
     """Name of a stage model's parameter in the full model (layers are numbered per stage)."""
     if key.startswith("decoder.layers."):

@@ -24,10 +24,21 @@ def test_dp2_pp2_equals_single_process(tmp_path, ddp):
     run_case(tmp_path, [VARIED, [[200], [64, 64], [100, 28], [512]]], pp=2, ddp=ddp)
 
 
-@pytest.mark.parametrize("lengths", [[[300]], [[64], [900], [65]], [[1500, 3], [64], [70], [2], [64, 64]]],
-                         ids=["one-micro-batch", "fewer-than-stages", "very-unequal"])
-def test_no_deadlock_at_the_edges(tmp_path, lengths):
-    run_case(tmp_path, [lengths], pp=4, budget=None)
+EDGES = {"one-micro-batch": [[300]], "fewer-than-stages": [[64], [900], [65]],
+         "very-unequal": [[1500, 3], [64], [70], [2], [64, 64]]}
+
+
+def test_no_deadlock_at_the_edges(tmp_path):
+    """The EDGES cases at PP=4 and the full budget, each equal to the single process; the three
+    share one launch of the reference and one of the pipeline."""
+    seed = 7
+    refs, pipes = [], []
+    for name, lengths in EDGES.items():
+        weights, ref = str(tmp_path / f"{name}_w.pt"), str(tmp_path / f"{name}_ref.pt")
+        refs.append((name, (weights, ref, [lengths], seed)))
+        pipes.append((name, (weights, ref, [lengths], seed, None)))
+    run_workers(pipeline_cases.each_case, world=1, args=(pipeline_cases.reference, refs))
+    run_workers(pipeline_cases.each_case, world=4, pp=4, args=(pipeline_cases.pipelined, pipes))
 
 
 def test_imbalance_and_bubble_from_known_spans():
