@@ -19,9 +19,15 @@ def test_pipeline_equals_single_process(tmp_path, pp):
     run_case(tmp_path, [VARIED], pp)
 
 
-@pytest.mark.parametrize("ddp", [False, True], ids=["no-ddp", "megatron-ddp"])
-def test_dp2_pp2_equals_single_process(tmp_path, ddp):
-    run_case(tmp_path, [VARIED, [[200], [64, 64], [100, 28], [512]]], pp=2, ddp=ddp)
+def test_dp2_pp2_equals_single_process(tmp_path):
+    """DP=2 x PP=2 with plain gradients and with megatron-core's DDP (its gradients reduced over
+    DP), one reference and one launch for both."""
+    weights, ref = str(tmp_path / "w.pt"), str(tmp_path / "ref.pt")
+    lengths_per_dp, seed, budget = [VARIED, [[200], [64, 64], [100, 28], [512]]], 7, 2
+    run_workers(pipeline_cases.reference, world=1, args=(weights, ref, lengths_per_dp, seed))
+    cases = [(name, (weights, ref, lengths_per_dp, seed, budget, ddp))
+             for name, ddp in (("no-ddp", False), ("megatron-ddp", True))]
+    run_workers(pipeline_cases.each_case, world=4, pp=2, args=(pipeline_cases.pipelined, cases))
 
 
 EDGES = {"one-micro-batch": [[300]], "fewer-than-stages": [[64], [900], [65]],
