@@ -7,11 +7,11 @@ from tests.distributed import run_workers
 VARIED = [[130, 64], [448], [64, 64, 200], [321]]  # four micro-batches of unequal packs
 
 
-def run_case(tmp_path, lengths_per_dp, pp, budget=2, seed=7, ddp=False):
+def run_case(tmp_path, lengths_per_dp, pp, budget=2, seed=7):
     weights, ref = str(tmp_path / "w.pt"), str(tmp_path / "ref.pt")
     run_workers(pipeline_cases.reference, world=1, args=(weights, ref, lengths_per_dp, seed))
     run_workers(pipeline_cases.pipelined, world=pp * len(lengths_per_dp), pp=pp,
-                args=(weights, ref, lengths_per_dp, seed, budget, ddp))
+                args=(weights, ref, lengths_per_dp, seed, budget))
 
 
 @pytest.mark.parametrize("pp", [2, 4])
