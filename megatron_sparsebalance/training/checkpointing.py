@@ -16,6 +16,7 @@ A crash mid-save leaves a directory without ``complete`` and an unchanged
 """
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import random
@@ -97,9 +98,13 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
     def save(self, sharded_state_dict, checkpoint_dir):
         request = self.async_save(sharded_state_dict, checkpoint_dir)
         if request.async_fn is not None:  # None: nothing to write on this rank
-            transform_list, use_msc = request.async_fn.args
-            request = request._replace(
-                async_fn=lambda *args: _write_buckets_in_this_process(transform_list, use_msc, *args))
+            forked = request.async_fn
+            if getattr(forked, "func", None) is not FileSystemWriterAsync.write_preloaded_data_multiproc:
+                raise RuntimeError(
+                    "megatron-core's torch_dist writer is not the one InProcessTorchDistSave replaces "
+                    "(megatron-core 0.16's write_preloaded_data_multiproc); check this class against the "
+                    "installed megatron-core")
+            request = request._replace(async_fn=functools.partial(_write_buckets_in_this_process, *forked.args))
         request.execute_sync()
 
 
