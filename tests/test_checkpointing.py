@@ -1,6 +1,8 @@
-"""A checkpoint is written by the process that saves it (no fork) and loads back bit for bit."""
+"""A checkpoint is written by the process that saves it (no fork), loads back bit for bit, and a
+shard that cannot be written fails the save without marking it complete."""
 import os
 
+import pytest
 import torch
 
 from megatron_sparsebalance.training import checkpointing
@@ -24,7 +26,8 @@ def test_checkpoint_is_written_without_a_fork_and_loads_back(gloo_world_of_one, 
     monkeypatch.setattr(os, "fork", no_fork)
     path = checkpointing.save_checkpoint(str(tmp_path), 3, saved, common={"run": "test"})
     monkeypatch.undo()
-    assert sorted(f for f in os.listdir(path) if f.endswith(".distcp"))  # the shards were written
+    shards = [f for f in os.listdir(path) if f.endswith(".distcp")]
+    assert len(shards) == 2, shards  # one file per bucket: two buckets, written by two threads
 
     torch.manual_seed(1)
     loaded = build_gpt_model(SHAPE, SPARSE, transformer_config(SHAPE), max_sequence_length=256)
@@ -34,3 +37,21 @@ def test_checkpoint_is_written_without_a_fork_and_loads_back(gloo_world_of_one, 
     want, got = tensors(saved), tensors(loaded)
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_failed_shard_write_raises_and_leaves_no_complete_checkpoint(gloo_world_of_one, tmp_path, monkeypatch):
+    """A bucket that cannot be written (a full disk, say) fails the save; the directory is not
+    marked complete and latest_checkpointed_iteration.txt is not written."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    model = build_gpt_model(SHAPE, SPARSE, transformer_config(SHAPE), max_sequence_length=256)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(filesystem_async, "_write_item", disk_full)
+    with pytest.raises(CheckpointException, match="No space left on device"):
+        checkpointing.save_checkpoint(str(tmp_path), 1, model)
+    assert not os.path.exists(os.path.join(checkpointing.iteration_dir(str(tmp_path), 1), checkpointing.COMPLETE))
+    assert checkpointing.latest_checkpoint(str(tmp_path)) is None

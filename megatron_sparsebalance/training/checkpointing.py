@@ -21,6 +21,7 @@ import os
 import queue
 import random
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
@@ -65,20 +66,21 @@ def set_rng_state(state: dict) -> None:
 
 
 def _write_buckets_in_this_process(transform_list, use_msc, rank, write_buckets, results_queue) -> None:
-    """Write each of this rank's buckets from the calling process, in order, and hand the
-    results over as megatron-core's forked writer does (one dict per save, or the exception)."""
-    results: dict = {}
-    for index, bucket in enumerate(write_buckets):
+    """Write this rank's buckets from threads of the calling process, one per bucket as
+    megatron-core forks one process per bucket (the file writes release the GIL), and hand the
+    results over as its forked writer does: one dict per save, or the first exception."""
+
+    def write(index, bucket):
         done, count = queue.Queue(), queue.Queue()
         count.put(index)  # the writer takes one item off and marks it done, as its forked worker would
         FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, done, count, use_fsync=True,
                                                    use_msc=use_msc)
-        _, written = done.get_nowait()
-        if isinstance(written, Exception):
-            results_queue.put(written)
-            return
-        results[index] = written
-    results_queue.put(results)
+        return done.get_nowait()[1]
+
+    with ThreadPoolExecutor(max_workers=max(1, len(write_buckets))) as pool:
+        written = list(pool.map(write, range(len(write_buckets)), write_buckets))
+    failed = [w for w in written if isinstance(w, Exception)]
+    results_queue.put(failed[0] if failed else dict(enumerate(written)))
 
 
 class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
@@ -88,8 +90,8 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
     locks that the parent's other threads (gloo, NCCL, queue feeders) hold at that instant, and a
     child that needs one waits forever, and so does its parent in ``count_queue.join()``: the
     CPU suite once hung there until CI's time ran out. Upstream later replaced the fork with
-    threads; until the pinned version has that, the buckets are written here, one after another.
-    The files and the metadata are the same; only the process that writes them differs.
+    threads; until the pinned version has that, the buckets are written here, one thread each.
+    The files and the metadata are the same; only what writes them differs.
     """
 
     def __init__(self):
