@@ -7,11 +7,14 @@ from tests.distributed import run_workers
 VARIED = [[130, 64], [448], [64, 64, 200], [321]]  # four micro-batches of unequal packs
 
 
-def run_case(tmp_path, lengths_per_dp, pp, budget=2, seed=7):
+def run_case(tmp_path, lengths_per_dp, pp, variants=(("budget-2", 2, False),), seed=7):
+    """The single-process reference once, then each ``(name, budget, ddp)`` variant of the
+    pipeline against it, all in one launch."""
     weights, ref = str(tmp_path / "w.pt"), str(tmp_path / "ref.pt")
     run_workers(pipeline_cases.reference, world=1, args=(weights, ref, lengths_per_dp, seed))
-    run_workers(pipeline_cases.pipelined, world=pp * len(lengths_per_dp), pp=pp,
-                args=(weights, ref, lengths_per_dp, seed, budget))
+    cases = [(name, (weights, ref, lengths_per_dp, seed, budget, ddp)) for name, budget, ddp in variants]
+    run_workers(pipeline_cases.each_case, world=pp * len(lengths_per_dp), pp=pp,
+                args=(pipeline_cases.pipelined, cases))
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -22,12 +25,8 @@ def test_pipeline_equals_single_process(tmp_path, pp):
 def test_dp2_pp2_equals_single_process(tmp_path):
     """DP=2 x PP=2 with plain gradients and with megatron-core's DDP (its gradients reduced over
     DP), one reference and one launch for both."""
-    weights, ref = str(tmp_path / "w.pt"), str(tmp_path / "ref.pt")
-    lengths_per_dp, seed, budget = [VARIED, [[200], [64, 64], [100, 28], [512]]], 7, 2
-    run_workers(pipeline_cases.reference, world=1, args=(weights, ref, lengths_per_dp, seed))
-    cases = [(name, (weights, ref, lengths_per_dp, seed, budget, ddp))
-             for name, ddp in (("no-ddp", False), ("megatron-ddp", True))]
-    run_workers(pipeline_cases.each_case, world=4, pp=2, args=(pipeline_cases.pipelined, cases))
+    run_case(tmp_path, [VARIED, [[200], [64, 64], [100, 28], [512]]], pp=2,
+             variants=(("no-ddp", 2, False), ("megatron-ddp", 2, True)))
 
 
 EDGES = {"one-micro-batch": [[300]], "fewer-than-stages": [[64], [900], [65]],
