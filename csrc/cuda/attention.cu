@@ -206,9 +206,9 @@ struct DkdvPlan {
 // kernel 3% slower at 0.5B 32K 25%, where they cut lists that whole ones balance as well.
 int dkdv_share() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
-DkdvPlan dkdv_plan(const at::Tensor& q_ptr, int G, int NB, int nsub, int max_slots, cudaStream_t s) {
+DkdvPlan dkdv_plan(const at::Tensor& q_ptr, int G, int NB, int nsub, int max_slots, int share, cudaStream_t s) {
   using kernels::sm90::PLAN_BINS;
-  const int pairs = G * NB, share = dkdv_share();
+  const int pairs = G * NB;
   int shift = 0;  // part lengths (at most NB) >> shift fit the bins
   while ((NB >> shift) >= PLAN_BINS) ++shift;
   const auto opts = q_ptr.options();
@@ -244,7 +244,7 @@ void run_dkdv(Params p, int64_t nrows, cudaStream_t s, const at::Tensor& q, cons
     const int64_t slot_bytes = (int64_t)nsub * 2 * sm90::WG_THREADS * D * sizeof(float);
     const int64_t plan_bytes = (int64_t)((pairs + share) * 4 + pairs * 2 + pairs * nsub) * sizeof(int) + 3 * 512;
     const int max_slots = (int)std::min<int64_t>(std::max<int64_t>(headroom - plan_bytes, 0) / slot_bytes, 2 * share);
-    const DkdvPlan plan = dkdv_plan(q_ptr, p.G, p.NB, nsub, max_slots, s);
+    const DkdvPlan plan = dkdv_plan(q_ptr, p.G, p.NB, nsub, max_slots, share, s);
     const at::Tensor partials = at::empty({max_slots * slot_bytes / (int64_t)sizeof(float)},
                                           q.options().dtype(at::kFloat));
     p.dkdv_items = reinterpret_cast<const int4*>(plan.items.data_ptr<int>());
@@ -394,9 +394,10 @@ void register_cuda_ops(pybind11::module& m) {
                   "q_ptr must be a contiguous int32 CUDA tensor of G * NB + 1 offsets");
         MSB_CHECK(nsub >= 1 && max_slots >= 0, "nsub must be >= 1 and max_slots >= 0");
         const c10::cuda::CUDAGuard guard(q_ptr.device());
-        const DkdvPlan plan = dkdv_plan(q_ptr, (int)G, (int)NB, (int)nsub, (int)max_slots,
+        const int share = dkdv_share();
+        const DkdvPlan plan = dkdv_plan(q_ptr, (int)G, (int)NB, (int)nsub, (int)max_slots, share,
                                         at::cuda::getCurrentCUDAStream().stream());
-        return std::make_tuple(plan.items, plan.split, dkdv_share());
+        return std::make_tuple(plan.items, plan.split, share);
       },
       "the Hopper dK/dV kernel's plan: (items [pairs + share, 4] = (pair g * NB + kb, lo, hi, part), longest "
       "first, pair -1 past the last; split [pairs, 2] = (first slot or -1, parts); share)",
