@@ -42,9 +42,10 @@ NOTES = (
     "flex: torch.compile'd flex_attention given the same selection (off-diagonal selected blocks as full blocks, "
     "the diagonal as a causal partial block). tflops: 4*kept_blocks*B^2*d*3.5 with kept blocks counted per query "
     "head (dense rows: the whole causal block triangle). peak_mem_gib: memory allocated by one fwd+bwd beyond its "
-    "inputs. router: router_ms the torch MoBA router (block_scores+select_blocks) alone, router_gpu_ms the GPU "
-    "router as the model runs it (coverage included) alone, router_in_step_ms what the GPU router adds when "
-    "issued right after a Triton fwd+bwd (router_in_step_ms in benchmarks/attention.py)."
+    "inputs (peak_requested_gib: the bytes requested, without the allocator's rounding). router: router_ms the "
+    "torch MoBA router (block_scores+select_blocks) alone, router_gpu_ms the GPU router as the model runs it "
+    "(coverage included) alone, router_in_step_ms what the GPU router adds when issued right after a Triton "
+    "fwd+bwd (router_in_step_ms in benchmarks/attention.py)."
 )
 
 def cuda_time(fn, iters: int = 10, warmup: int = 3) -> float:
@@ -84,14 +85,20 @@ def router_in_step_ms(step, route, iters: int) -> float:
     return min(routed) - min(plain)
 
 
-def peak_extra_gib(fn) -> float:
-    """GiB allocated by one call of ``fn`` above what was allocated before it."""
+def peak_extra_gib(fn) -> tuple[float, float]:
+    """GiB one call of ``fn`` allocated above what was allocated before it, at its peak:
+    ``(allocated, requested)``, the blocks as the caching allocator counts them and the bytes
+    its callers asked for. They differ where the allocator rounds a request up (to 512 bytes) or
+    hands out a cached block whole that is up to 1 MiB larger than the request (it does not split
+    off less)."""
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_stats()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
+    after = torch.cuda.memory_stats()
+    return tuple((after[f"{key}.all.peak"] - before[f"{key}.all.current"]) / 2**30
+                 for key in ("allocated_bytes", "requested_bytes"))
 
 
 def kept_fraction(nb: int, k: int) -> float:
@@ -311,7 +318,7 @@ def main(argv=None):
                     ms = cuda_time(step, iters=args.iters)
                     fwd_ms = cuda_time(forward, iters=args.iters)
                     row.update(fwd_ms=fwd_ms, bwd_ms=ms - fwd_ms)
-                    mem = peak_extra_gib(step)
+                    mem, requested = peak_extra_gib(step)
                     if impl == "flex" and "triton" in impls:  # same selection => same output
                         from megatron_sparsebalance.ops.triton_attention import block_sparse_attention
 
@@ -321,7 +328,7 @@ def main(argv=None):
                                              enable_gqa=True, scale=1.0 / math.sqrt(d))
                         row["max_abs_diff_vs_triton"] = (ours.float() - theirs[0].transpose(0, 1).float()).abs().max().item()
                     flops = 4 * kept_heads * BLOCK * BLOCK * d * 3.5
-                    row.update(ms=ms, tflops=flops / ms / 1e9, peak_mem_gib=mem)
+                    row.update(ms=ms, tflops=flops / ms / 1e9, peak_mem_gib=mem, peak_requested_gib=requested)
                     if impl == "triton" and density < 1.0:
                         routers[name, S, density]["router_in_step_ms"] = router_in_step_ms(
                             step, lambda: sparse_route(q, k, lay, kk, track_coverage=True), args.iters)

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from benchmarks.attention import BLOCK, SHAPES, budget_for_density, flex_block_mask, make_inputs, run_case
+from benchmarks.attention import ALL_IMPLS, BLOCK, SHAPES, budget_for_density, flex_block_mask, make_inputs, run_case
 from megatron_sparsebalance.ops.layout import BlockLayout
 from megatron_sparsebalance.ops.router import block_scores, select_blocks
 
@@ -78,10 +78,12 @@ class SmiSampler:
         for fields in SMI_FIELDS:
             cmd = ["nvidia-smi", f"--id=GPU-{uuid}", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
             probe = subprocess.run(cmd, capture_output=True, text=True)
-            if probe.returncode == 0 and parse_smi_line(probe.stdout.strip().splitlines()[0]) is not None:
+            lines = probe.stdout.strip().splitlines()
+            if probe.returncode == 0 and lines and parse_smi_line(lines[0]) is not None:
                 break
         else:
-            raise RuntimeError(f"nvidia-smi does not report the fields of SMI_FIELDS here: {probe.stdout}{probe.stderr}")
+            raise RuntimeError(
+                f"nvidia-smi does not report the fields of SMI_FIELDS here: {probe.stdout}{probe.stderr}")
         self.proc = subprocess.Popen(cmd + ["--loop-ms", str(period_ms)], stdout=subprocess.PIPE, text=True)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -182,6 +184,11 @@ def main(argv=None):
         ap.error("--density must be in (0, 1)")
     if not 2 <= args.burst <= args.steps // 2:
         ap.error("--burst must be at least 2 and at most half of --steps")
+    if args.sample_ms < 1 or args.pause_s < 0:
+        ap.error("--sample-ms must be >= 1 and --pause-s >= 0")
+    impls = [x for x in args.impls.split(",") if x]
+    if not impls or set(impls) - set(ALL_IMPLS):
+        ap.error(f"--impls takes a comma-separated list of {', '.join(ALL_IMPLS)}; got {args.impls!r}")
 
     hq, g, d = SHAPES[args.shape]
     S = args.seq
@@ -198,7 +205,7 @@ def main(argv=None):
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=args.shape, seq=S,
                   density=args.density, k=kk, notes=NOTES, impls={})
     try:
-        for impl in [x for x in args.impls.split(",") if x]:
+        for impl in impls:
             flex_fn = bm = None
             if impl == "flex":
                 from torch.nn.attention.flex_attention import flex_attention
@@ -206,7 +213,8 @@ def main(argv=None):
                 flex_fn, bm = torch.compile(flex_attention, dynamic=False), flex_block_mask(route, hq, S)
             _, step = run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm)
             result["impls"][impl] = row = sustained_run(step, args.steps, args.burst, args.pause_s, sampler)
-            print(impl, json.dumps({key: row[key] for key in ("burst_step_ms", "sustained_step_ms", "smi")}), flush=True)
+            summary = {key: row[key] for key in ("burst_step_ms", "sustained_step_ms", "smi")}
+            print(impl, json.dumps(summary), flush=True)
             print("  windows of 10 steps (ms):", row["window_ms"])
             for phase in ("burst", "sustained"):
                 print(f"  {phase}:", ", ".join(f"{n} {t:.3f}" for n, t in row["kernels_ms"][phase].items() if t > 0.01))

@@ -40,3 +40,13 @@ def test_kernels_are_split_into_steps_by_start_time():
     assert kernels_per_step(kernels, 2, range(2)) == pytest.approx({"bwd": 5.0, "fwd": 1.1})
     with pytest.raises(ValueError, match="do not split into 3"):
         kernels_per_step(kernels, 3, range(1))
+
+
+@pytest.mark.parametrize("argv, flag", [(["--impls", "cuda,sdpa"], "--impls"), (["--seq", "1000"], "--seq"),
+                                        (["--density", "1.5"], "--density"), (["--burst", "200"], "--burst")])
+def test_bad_flags_are_refused_by_name_before_any_gpu_work(argv, flag, capsys):
+    from benchmarks.sustained import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert flag in capsys.readouterr().err
