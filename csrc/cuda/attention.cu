@@ -197,7 +197,12 @@ void run_fwd(const Params& p, cudaStream_t s, const at::Tensor& k, const at::Ten
 // that reads them is queued: the caching allocator hands their bytes out again only to work
 // queued after that on this stream.
 struct DkdvPlan {
-  at::Tensor items, split, arrivals;
+  // The ints of the plan's one allocation: items [pairs + share, 4], split [pairs, 2], arrivals
+  // [pairs * nsub], in that order (items first, so that its int4 rows start 16-byte aligned).
+  static int64_t ints(int pairs, int share, int nsub) {
+    return (int64_t)(pairs + share) * 4 + (int64_t)pairs * 2 + (int64_t)pairs * nsub;
+  }
+  at::Tensor items, split, arrivals;  // views of that allocation
   int max_items;
 };
 
@@ -211,9 +216,11 @@ DkdvPlan dkdv_plan(const at::Tensor& q_ptr, int G, int NB, int nsub, int max_slo
   const int pairs = G * NB;
   int shift = 0;  // part lengths (at most NB) >> shift fit the bins
   while ((NB >> shift) >= PLAN_BINS) ++shift;
-  const auto opts = q_ptr.options();
-  DkdvPlan plan{at::empty({pairs + share, 4}, opts), at::empty({pairs, 2}, opts), at::empty({pairs * nsub}, opts),
-                pairs + share};
+  const int max_items = pairs + share;
+  const at::Tensor ints = at::empty({DkdvPlan::ints(pairs, share, nsub)}, q_ptr.options());
+  DkdvPlan plan{ints.narrow(0, 0, (int64_t)max_items * 4).view({max_items, 4}),
+                ints.narrow(0, (int64_t)max_items * 4, (int64_t)pairs * 2).view({pairs, 2}),
+                ints.narrow(0, (int64_t)max_items * 4 + pairs * 2, (int64_t)pairs * nsub), max_items};
   kernels::sm90::dkdv_plan_kernel<<<1, kernels::sm90::PLAN_THREADS, 0, s>>>(
       q_ptr.data_ptr<int>(), pairs, shift, share, max_slots, nsub, plan.max_items,
       reinterpret_cast<int4*>(plan.items.data_ptr<int>()), reinterpret_cast<int2*>(plan.split.data_ptr<int>()),
@@ -240,9 +247,10 @@ void run_dkdv(Params p, int64_t nrows, cudaStream_t s, const at::Tensor& q, cons
     // A slot holds one part's fp32 dK and dV (D per consumer thread) for each of a block's nsub
     // chunks. A list cut into n parts takes n <= 2 (n - 1) slots, and the n - 1 < L / cap parts
     // it adds come to fewer than share over all lists (total / cap0 <= share): 2 * share slots
-    // at most, and never more than the headroom less the plan (512-byte rounding each).
+    // at most, and never more than the headroom less the plan (one allocation, which the caching
+    // allocator rounds up to 512 bytes).
     const int64_t slot_bytes = (int64_t)nsub * 2 * sm90::WG_THREADS * D * sizeof(float);
-    const int64_t plan_bytes = (int64_t)((pairs + share) * 4 + pairs * 2 + pairs * nsub) * sizeof(int) + 3 * 512;
+    const int64_t plan_bytes = DkdvPlan::ints(pairs, share, nsub) * (int64_t)sizeof(int) + 512;
     const int max_slots = (int)std::min<int64_t>(std::max<int64_t>(headroom - plan_bytes, 0) / slot_bytes, 2 * share);
     const DkdvPlan plan = dkdv_plan(q_ptr, p.G, p.NB, nsub, max_slots, share, s);
     const at::Tensor partials = at::empty({max_slots * slot_bytes / (int64_t)sizeof(float)},
