@@ -14,7 +14,8 @@ forward alone is timed too (as training runs it: inputs requiring grad, so it sa
 backward needs); ``bwd_ms`` is fwd+bwd minus it, which tells a slow forward from a slow backward.
 
 Usage: ``python3 -m benchmarks.attention [--quick] [--tune] [--impls cuda,triton,flex,cudnn_dense,fa2_dense]``.
-Writes ``$OUT/attention_h200.json`` (or ``--out``) and prints a table.
+Writes ``$OUT/attention_h200.json`` (or ``--out``) and prints a table. ``--markdown FILE`` prints
+docs/BENCHMARKS.md's table of a results file instead of measuring.
 """
 from __future__ import annotations
 
@@ -252,7 +253,13 @@ def main(argv=None):
     ap.add_argument("--densities", default=None)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/attention_h200.json)")
+    ap.add_argument("--markdown", default=None, metavar="JSON",
+                    help="print the markdown table of a results file (docs/BENCHMARKS.md's) and exit")
     args = ap.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown_table(json.load(f)))
+        return None
     impls = [x for x in args.impls.split(",") if x]
     shapes = [x for x in args.shapes.split(",") if x]
     seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else ([8192, 32768] if args.quick else [8192, 32768, 65536])
@@ -346,6 +353,44 @@ def main(argv=None):
             json.dump(result, f, indent=1)
     print_table(result)
     return result
+
+
+def markdown_table(result) -> str:
+    """The results as docs/BENCHMARKS.md shows them: one line per (shape, S, density), the dense
+    rows of that shape and S beside each, and the ratios recomputed from the rows' ms."""
+    rows = result["rows"]
+
+    def ms(r):
+        return f"{r['ms']:.2f} ({r['tflops']:.0f})" if r and r.get("ms") else "-"
+
+    def fwd_bwd(r):
+        return f"{r['fwd_ms']:.2f} / {r['bwd_ms']:.2f}" if r and r.get("fwd_ms") is not None else "-"
+
+    def gib(r):
+        return f"{r['peak_mem_gib']:.4f}" if r and r.get("peak_mem_gib") is not None else "-"
+
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if a and b else "-"
+
+    lines = ["| shape | S | density (kept) | cuda ms (TF/s) | triton ms (TF/s) | flex ms (TF/s) | cuDNN dense ms (TF/s) "
+             "| FA2 dense ms (TF/s) | flex / cuda | flex / best ours | cuda fwd / bwd ms | triton fwd / bwd ms "
+             "| flex fwd / bwd ms | extra GiB cuda / triton / flex |",
+             "|" + "---|" * 14]
+    for shape, S in sorted({(r["shape"], r["seq"]) for r in rows}):
+        here = [r for r in rows if r["shape"] == shape and r["seq"] == S]
+        dense = {r["impl"]: r for r in here if r["density"] == 1.0}
+        for density in sorted({r["density"] for r in here if r["density"] < 1.0}):
+            got = {r["impl"]: r for r in here if r["density"] == density}
+            cuda, triton, flex = (got.get(i) for i in ("cuda", "triton", "flex"))
+            ours = [r["ms"] for r in (cuda, triton) if r and r.get("ms")]
+            kept = next((r["kept_frac"] for r in got.values() if "kept_frac" in r), None)
+            cells = [shape, f"{S // 1024}K", f"{density:.2f}" + (f" ({kept:.3f})" if kept is not None else ""),
+                     ms(cuda), ms(triton), ms(flex), ms(dense.get("cudnn_dense")), ms(dense.get("fa2_dense")),
+                     ratio(flex and flex.get("ms"), cuda and cuda.get("ms")),
+                     ratio(flex and flex.get("ms"), min(ours, default=None)),
+                     fwd_bwd(cuda), fwd_bwd(triton), fwd_bwd(flex), " / ".join(gib(r) for r in (cuda, triton, flex))]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def print_table(result):

@@ -1,0 +1,57 @@
+"""benchmarks/attention.py's markdown table, the one docs/BENCHMARKS.md shows: the ratios come
+from the rows' ms, the dense rows sit beside every density of their shape and length, and a case
+an implementation failed shows as '-'."""
+from __future__ import annotations
+
+import json
+
+from benchmarks.attention import main, markdown_table
+
+
+def _row(impl, density, ms, fwd_ms=None, mem=0.25, **extra):
+    row = dict(impl=impl, shape="qwen2.5-3b", seq=32768, density=density, ms=ms, tflops=100.0, peak_mem_gib=mem)
+    if fwd_ms is not None:
+        row.update(fwd_ms=fwd_ms, bwd_ms=ms - fwd_ms)
+    return dict(row, **extra)
+
+
+RESULT = dict(rows=[
+    _row("cudnn_dense", 1.0, 20.0, fwd_ms=5.0),
+    _row("cuda", 0.25, 4.0, fwd_ms=1.0, kept_frac=0.248),
+    _row("triton", 0.25, 2.0, fwd_ms=0.5, kept_frac=0.248),
+    _row("flex", 0.25, 10.0, fwd_ms=3.0, mem=0.5, kept_frac=0.248),
+    _row("cuda", 0.1, 1.0, fwd_ms=0.25, kept_frac=0.099),
+    dict(impl="triton", shape="qwen2.5-3b", seq=32768, density=0.1, ms=None, tflops=None, peak_mem_gib=None,
+         error="RuntimeError: no GPU"),
+    _row("flex", 0.1, 1.5, fwd_ms=0.5, kept_frac=0.099),
+])
+
+
+def _line(table: str, density: str) -> list[str]:
+    (line,) = [x for x in table.splitlines() if f"| {density} (" in x]
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_ratios_are_recomputed_from_the_rows():
+    cells = _line(markdown_table(RESULT), "0.25")
+    assert cells[:3] == ["qwen2.5-3b", "32K", "0.25 (0.248)"]
+    assert cells[8] == "2.50x"  # flex / cuda
+    assert cells[9] == "5.00x"  # flex / the faster of ours (triton here)
+    assert cells[10] == "1.00 / 3.00" and cells[12] == "3.00 / 7.00"  # fwd / bwd
+    assert cells[13] == "0.2500 / 0.2500 / 0.5000"
+
+
+def test_dense_rows_sit_beside_every_density_and_failures_show_as_dashes():
+    table = markdown_table(RESULT)
+    low, high = _line(table, "0.10"), _line(table, "0.25")
+    assert low[6] == high[6] == "20.00 (100)" and low[7] == high[7] == "-"  # cuDNN measured, FA2 not
+    assert low[4] == "-" and low[11] == "-"  # the failed Triton row
+    assert low[8] == low[9] == "1.50x"
+    assert len(table.splitlines()) == 2 + 2  # header, rule, one line per density
+
+
+def test_markdown_flag_prints_the_table_of_a_file(tmp_path, capsys):
+    path = tmp_path / "attention.json"
+    path.write_text(json.dumps(RESULT))
+    assert main(["--markdown", str(path)]) is None
+    assert capsys.readouterr().out.strip() == markdown_table(RESULT)
