@@ -4,6 +4,7 @@ an implementation failed shows as '-'."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from benchmarks.attention import main, markdown_table
 
@@ -55,3 +56,14 @@ def test_markdown_flag_prints_the_table_of_a_file(tmp_path, capsys):
     path.write_text(json.dumps(RESULT))
     assert main(["--markdown", str(path)]) is None
     assert capsys.readouterr().out.strip() == markdown_table(RESULT)
+
+
+def test_the_docs_table_is_the_committed_results_file():
+    """docs/BENCHMARKS.md's attention table is what ``--markdown`` prints for the committed
+    benchmarks/results/attention_h200.json: a rerun that replaces the file replaces the table."""
+    root = Path(__file__).resolve().parents[1]
+    with open(root / "benchmarks/results/attention_h200.json") as f:
+        expected = markdown_table(json.load(f)).splitlines()
+    docs = (root / "docs/BENCHMARKS.md").read_text().splitlines()
+    start = docs.index(expected[0])
+    assert docs[start:start + len(expected)] == expected
