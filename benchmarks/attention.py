@@ -355,6 +355,21 @@ def main(argv=None):
     return result
 
 
+def sparse_cases(rows):
+    """``(shape, S, density, got, dense)`` for each sparse case of ``rows``, in the tables' order
+    (shape, S, density): ``got`` its rows by impl, ``dense`` the dense rows of its shape and S."""
+    for shape, S in sorted({(r["shape"], r["seq"]) for r in rows}):
+        here = [r for r in rows if r["shape"] == shape and r["seq"] == S]
+        dense = {r["impl"]: r for r in here if r["density"] == 1.0}
+        for density in sorted({r["density"] for r in here if r["density"] < 1.0}):
+            yield shape, S, density, {r["impl"]: r for r in here if r["density"] == density}, dense
+
+
+def best_ours_ms(got) -> float | None:
+    """The faster of our two implementations' ms in a case's rows by impl (None if neither ran)."""
+    return min((got[i]["ms"] for i in ("cuda", "triton") if got.get(i, {}).get("ms")), default=None)
+
+
 def markdown_table(result) -> str:
     """The results as docs/BENCHMARKS.md shows them: one line per (shape, S, density), the dense
     rows of that shape and S beside each, and the ratios recomputed from the rows' ms."""
@@ -376,20 +391,15 @@ def markdown_table(result) -> str:
              "| FA2 dense ms (TF/s) | flex / cuda | flex / best ours | cuda fwd / bwd ms | triton fwd / bwd ms "
              "| flex fwd / bwd ms | extra GiB cuda / triton / flex |",
              "|" + "---|" * 14]
-    for shape, S in sorted({(r["shape"], r["seq"]) for r in rows}):
-        here = [r for r in rows if r["shape"] == shape and r["seq"] == S]
-        dense = {r["impl"]: r for r in here if r["density"] == 1.0}
-        for density in sorted({r["density"] for r in here if r["density"] < 1.0}):
-            got = {r["impl"]: r for r in here if r["density"] == density}
-            cuda, triton, flex = (got.get(i) for i in ("cuda", "triton", "flex"))
-            ours = [r["ms"] for r in (cuda, triton) if r and r.get("ms")]
-            kept = next((r["kept_frac"] for r in got.values() if "kept_frac" in r), None)
-            cells = [shape, f"{S // 1024}K", f"{density:.2f}" + (f" ({kept:.3f})" if kept is not None else ""),
-                     ms(cuda), ms(triton), ms(flex), ms(dense.get("cudnn_dense")), ms(dense.get("fa2_dense")),
-                     ratio(flex and flex.get("ms"), cuda and cuda.get("ms")),
-                     ratio(flex and flex.get("ms"), min(ours, default=None)),
-                     fwd_bwd(cuda), fwd_bwd(triton), fwd_bwd(flex), " / ".join(gib(r) for r in (cuda, triton, flex))]
-            lines.append("| " + " | ".join(cells) + " |")
+    for shape, S, density, got, dense in sparse_cases(rows):
+        cuda, triton, flex = (got.get(i) for i in ("cuda", "triton", "flex"))
+        kept = next((r["kept_frac"] for r in got.values() if "kept_frac" in r), None)
+        cells = [shape, f"{S // 1024}K", f"{density:.2f}" + (f" ({kept:.3f})" if kept is not None else ""),
+                 ms(cuda), ms(triton), ms(flex), ms(dense.get("cudnn_dense")), ms(dense.get("fa2_dense")),
+                 ratio(flex and flex.get("ms"), cuda and cuda.get("ms")),
+                 ratio(flex and flex.get("ms"), best_ours_ms(got)),
+                 fwd_bwd(cuda), fwd_bwd(triton), fwd_bwd(flex), " / ".join(gib(r) for r in (cuda, triton, flex))]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -397,30 +407,22 @@ def print_table(result):
     rows = result["rows"]
     print(f"\n{result['gpu']}  torch {result['torch']}  triton {result.get('triton')}  fwd+bwd, bf16, block {BLOCK}")
     print(f"{'shape':14s} {'S':>6s} {'dens':>5s} | " + " | ".join(f"{i:>19s}" for i in ALL_IMPLS) + " | best/flex")
-    keys = sorted({(r["shape"], r["seq"]) for r in rows}, key=lambda x: (x[0], x[1]))
-    for shape, S in keys:
-        dense = {r["impl"]: r for r in rows if r["shape"] == shape and r["seq"] == S and r["density"] == 1.0}
-        for dens in sorted({r["density"] for r in rows if r["shape"] == shape and r["seq"] == S and r["density"] < 1.0}):
-            got = {r["impl"]: r for r in rows if r["shape"] == shape and r["seq"] == S and r["density"] == dens}
-            got.update(dense)
-            cells = []
-            for i in ALL_IMPLS:
-                r = got.get(i)
-                cells.append(f"{r['ms']:8.2f}ms {r['tflops']:5.0f}TF" if r and r.get("ms") else f"{'-':>19s}")
-            ours = [got[i]["ms"] for i in ("cuda", "triton") if i in got and got[i].get("ms")]
-            flex = got.get("flex", {}).get("ms")
-            ratio = f"{flex / min(ours):5.2f}x" if ours and flex else "  -"
-            print(f"{shape:14s} {S:6d} {dens:5.2f} | " + " | ".join(cells) + f" | {ratio}")
+    for shape, S, dens, got, dense in sparse_cases(rows):
+        cells = []
+        for i in ALL_IMPLS:
+            r = got.get(i) or dense.get(i)
+            cells.append(f"{r['ms']:8.2f}ms {r['tflops']:5.0f}TF" if r and r.get("ms") else f"{'-':>19s}")
+        ours, flex = best_ours_ms(got), got.get("flex", {}).get("ms")
+        ratio = f"{flex / ours:5.2f}x" if ours and flex else "  -"
+        print(f"{shape:14s} {S:6d} {dens:5.2f} | " + " | ".join(cells) + f" | {ratio}")
     print("\nforward | backward ms (backward = fwd+bwd - fwd)")
-    for shape, S in keys:
-        for dens in sorted({r["density"] for r in rows if r["shape"] == shape and r["seq"] == S and r["density"] < 1.0}):
-            got = {r["impl"]: r for r in rows if r["shape"] == shape and r["seq"] == S and r["density"] == dens}
-            cells = [f"{i} {got[i]['fwd_ms']:.2f} | {got[i]['bwd_ms']:.2f}" for i in ("cuda", "triton", "flex")
-                     if got.get(i, {}).get("fwd_ms") is not None]
-            print(f"{shape:14s} {S:6d} {dens:5.2f}   " + "   ".join(cells))
+    for shape, S, dens, got, _ in sparse_cases(rows):
+        cells = [f"{i} {got[i]['fwd_ms']:.2f} | {got[i]['bwd_ms']:.2f}" for i in ("cuda", "triton", "flex")
+                 if got.get(i, {}).get("fwd_ms") is not None]
+        print(f"{shape:14s} {S:6d} {dens:5.2f}   " + "   ".join(cells))
     for r in result.get("router", []):
-        best = min((x["ms"] for x in result["rows"] if x["shape"] == r["shape"] and x["seq"] == r["seq"]
-                    and x["density"] == r["density"] and x["impl"] in ("cuda", "triton") and x.get("ms")), default=None)
+        best = best_ours_ms({x["impl"]: x for x in rows if x["shape"] == r["shape"] and x["seq"] == r["seq"]
+                             and x["density"] == r["density"]})
         frac = f" = {100 * r['router_gpu_ms'] / best:.1f}% of our best fwd+bwd" if best else ""
         in_step = (f"; inside a Triton step {r['router_in_step_ms']:.3f} ms"
                    + (f" = {100 * r['router_in_step_ms'] / best:.1f}%" if best else "")) if "router_in_step_ms" in r else ""
