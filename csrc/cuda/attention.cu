@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "cuda/attention_kernels.cuh"
 #include "cuda/attention_kernels_sm90.cuh"
@@ -217,10 +218,10 @@ DkdvPlan dkdv_plan(const at::Tensor& q_ptr, int G, int NB, int nsub, int max_slo
   int shift = 0;  // part lengths (at most NB) >> shift fit the bins
   while ((NB >> shift) >= PLAN_BINS) ++shift;
   const int max_items = pairs + share;
-  const at::Tensor ints = at::empty({DkdvPlan::ints(pairs, share, nsub)}, q_ptr.options());
-  DkdvPlan plan{ints.narrow(0, 0, (int64_t)max_items * 4).view({max_items, 4}),
-                ints.narrow(0, (int64_t)max_items * 4, (int64_t)pairs * 2).view({pairs, 2}),
-                ints.narrow(0, (int64_t)max_items * 4 + pairs * 2, (int64_t)pairs * nsub), max_items};
+  const std::vector<at::Tensor> parts = at::empty({DkdvPlan::ints(pairs, share, nsub)}, q_ptr.options())
+                                            .split_with_sizes({(int64_t)max_items * 4, (int64_t)pairs * 2,
+                                                               (int64_t)pairs * nsub});
+  DkdvPlan plan{parts[0].view({max_items, 4}), parts[1].view({pairs, 2}), parts[2], max_items};
   kernels::sm90::dkdv_plan_kernel<<<1, kernels::sm90::PLAN_THREADS, 0, s>>>(
       q_ptr.data_ptr<int>(), pairs, shift, share, max_slots, nsub, plan.max_items,
       reinterpret_cast<int4*>(plan.items.data_ptr<int>()), reinterpret_cast<int2*>(plan.split.data_ptr<int>()),
