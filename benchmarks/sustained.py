@@ -18,7 +18,13 @@ while ``nvidia-smi`` samples the SM clock, the power draw and the clock-event re
 * ``smi``: medians of the SM clock and power over the second half, the fraction of its samples
   in which the driver reports the software power cap or a thermal slowdown, and the idle clock.
 
-Usage: ``python3 -m benchmarks.sustained [--impls cuda,flex] [--shape qwen2.5-3b] [--seq 32768]
+``--impls`` may also name ``gemm``: a step of one cuBLAS bf16 GEMM with the matrix work of the
+case's attention step (its nine products per kept tile, Flex's count as well as ours), run and
+timed like the others. It is what that much matrix work takes on this GPU at the library's best
+rate, with nothing else in the step: a bound on what any kernel of nine products per tile can
+reach under the same power cap.
+
+Usage: ``python3 -m benchmarks.sustained [--impls cuda,flex,gemm] [--shape qwen2.5-3b] [--seq 32768]
 [--density 0.25] [--steps 300]``. Writes ``$OUT/sustained_h200.json`` (or ``--out``).
 """
 from __future__ import annotations
@@ -52,8 +58,41 @@ NOTES = (
     "fwd+bwd steps back to back after an idle pause, CUDA events per step, torch.profiler (CUDA activity) "
     "for the kernels; burst = the first --burst steps, sustained = the second half of the run; smi: medians "
     "of nvidia-smi's samples over the second half, power_capped/thermal = fraction of samples with that "
-    "clock-event reason active."
+    "clock-event reason active. executed_tflop: the step's matrix products (nine per kept tile, 2*B^2*d "
+    "FLOPs each; gemm: its own 2*M*N*K); *_tflops: executed_tflop over the step's ms."
 )
+
+# Matrix products per kept (query head, KV block) tile in one forward+backward: the forward's two
+# (S = Q K^T, O += P V) and the backward's seven (dK/dV: S, dP, dV, dK; dQ recomputes S and dP and
+# adds dS K). FlexAttention's backward runs the same seven (its dQ loop recomputes the scores).
+PRODUCTS_PER_TILE = 9
+GEMM_ROWS = 8192  # the ceiling GEMM's M = N (--gemm-rows)
+IMPLS = ALL_IMPLS + ("gemm",)
+
+
+def executed_tflop(kept_heads: int, d: int) -> float:
+    """TFLOPs of a step's matrix products, from its kept tiles counted per query head."""
+    return 2 * BLOCK * BLOCK * d * PRODUCTS_PER_TILE * kept_heads / 1e12
+
+
+def gemm_inner_dim(tflop: float, rows: int = GEMM_ROWS) -> int:
+    """K (a multiple of 64) of the [rows, K] @ [K, rows] GEMM nearest ``tflop`` TFLOPs."""
+    return max(64, round(tflop * 1e12 / (2 * rows * rows) / 64) * 64)
+
+
+def gemm_step(tflop: float, gen: torch.Generator, rows: int = GEMM_ROWS):
+    """One bf16 cuBLAS GEMM, [rows, K] @ [K, rows], of about ``tflop`` TFLOPs.
+
+    A large output and a long K is the regime where the library's GEMM runs at its best rate (no
+    split-K; over a thousand output tiles for 132 SMs at 8192 rows), so its time is a generous
+    ceiling for the same matrix work done in attention tiles. Returns (step, the GEMM's
+    own TFLOPs).
+    """
+    k = gemm_inner_dim(tflop, rows)
+    a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(k, rows, device="cuda", dtype=torch.bfloat16, generator=gen)
+    c = torch.empty(rows, rows, device="cuda", dtype=torch.bfloat16)
+    return (lambda: torch.matmul(a, b, out=c)), 2 * rows * rows * k / 1e12
 
 
 def parse_smi_line(line: str) -> dict | None:
@@ -176,6 +215,7 @@ def main(argv=None):
     ap.add_argument("--burst", type=int, default=10, help="steps counted as the burst (from the start of a run)")
     ap.add_argument("--pause-s", type=float, default=3.0, help="idle seconds before each run")
     ap.add_argument("--sample-ms", type=int, default=50)
+    ap.add_argument("--gemm-rows", type=int, default=GEMM_ROWS, help="M = N of the gemm step's GEMM")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/sustained_h200.json)")
     args = ap.parse_args(argv)
     if args.seq % BLOCK or args.seq <= 0:
@@ -186,9 +226,11 @@ def main(argv=None):
         ap.error("--burst must be at least 2 and at most half of --steps")
     if args.sample_ms < 1 or args.pause_s < 0:
         ap.error("--sample-ms must be >= 1 and --pause-s >= 0")
+    if args.gemm_rows < 128 or args.gemm_rows % 128:
+        ap.error("--gemm-rows must be a positive multiple of 128")
     impls = [x for x in args.impls.split(",") if x]
-    if not impls or set(impls) - set(ALL_IMPLS):
-        ap.error(f"--impls takes a comma-separated list of {', '.join(ALL_IMPLS)}; got {args.impls!r}")
+    if not impls or set(impls) - set(IMPLS):
+        ap.error(f"--impls takes a comma-separated list of {', '.join(IMPLS)}; got {args.impls!r}")
 
     hq, g, d = SHAPES[args.shape]
     S = args.seq
@@ -201,19 +243,28 @@ def main(argv=None):
     kk = budget_for_density(S // BLOCK, args.density)
     with torch.no_grad():
         route = select_blocks(block_scores(q, k, lay), lay, kk)
+    attention_tflop = executed_tflop(route.kept_blocks() * (hq // g), d)
     sampler = SmiSampler(args.sample_ms)
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=args.shape, seq=S,
-                  density=args.density, k=kk, notes=NOTES, impls={})
+                  density=args.density, k=kk, executed_tflop=attention_tflop, gemm_rows=args.gemm_rows, notes=NOTES,
+                  impls={})
     try:
         for impl in impls:
-            flex_fn = bm = None
-            if impl == "flex":
-                from torch.nn.attention.flex_attention import flex_attention
+            tflop = attention_tflop
+            if impl == "gemm":
+                step, tflop = gemm_step(attention_tflop, gen, args.gemm_rows)
+            else:
+                flex_fn = bm = None
+                if impl == "flex":
+                    from torch.nn.attention.flex_attention import flex_attention
 
-                flex_fn, bm = torch.compile(flex_attention, dynamic=False), flex_block_mask(route, hq, S)
-            _, step = run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm)
+                    flex_fn, bm = torch.compile(flex_attention, dynamic=False), flex_block_mask(route, hq, S)
+                _, step = run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm)
             result["impls"][impl] = row = sustained_run(step, args.steps, args.burst, args.pause_s, sampler)
-            summary = {key: row[key] for key in ("burst_step_ms", "sustained_step_ms", "smi")}
+            row.update(executed_tflop=tflop, burst_tflops=tflop / row["burst_step_ms"] * 1e3,
+                       sustained_tflops=tflop / row["sustained_step_ms"] * 1e3)
+            summary = {key: row[key] for key in ("burst_step_ms", "sustained_step_ms", "burst_tflops",
+                                                 "sustained_tflops", "smi")}
             print(impl, json.dumps(summary), flush=True)
             print("  windows of 10 steps (ms):", row["window_ms"])
             for phase in ("burst", "sustained"):

@@ -43,10 +43,25 @@ def test_kernels_are_split_into_steps_by_start_time():
 
 
 @pytest.mark.parametrize("argv, flag", [(["--impls", "cuda,sdpa"], "--impls"), (["--seq", "1000"], "--seq"),
-                                        (["--density", "1.5"], "--density"), (["--burst", "200"], "--burst")])
+                                        (["--density", "1.5"], "--density"), (["--burst", "200"], "--burst"),
+                                        (["--gemm-rows", "1000"], "--gemm-rows")])
 def test_bad_flags_are_refused_by_name_before_any_gpu_work(argv, flag, capsys):
     from benchmarks.sustained import main
 
     with pytest.raises(SystemExit):
         main(argv)
     assert flag in capsys.readouterr().err
+
+
+def test_the_ceiling_gemm_does_the_attention_steps_matrix_work():
+    from benchmarks.attention import BLOCK
+    from benchmarks.sustained import GEMM_ROWS, executed_tflop, gemm_inner_dim
+
+    # 3B at 64K, 25%: about 4.2 M kept (query head, KV block) tiles of head dim 128
+    want = executed_tflop(4_200_000, 128)
+    assert want == pytest.approx(4_200_000 * 9 * 2 * BLOCK * BLOCK * 128 / 1e12)
+    k = gemm_inner_dim(want)
+    assert k % 64 == 0
+    got = 2 * GEMM_ROWS * GEMM_ROWS * k / 1e12
+    assert abs(got - want) <= 2 * GEMM_ROWS * GEMM_ROWS * 32 / 1e12  # within half a K step
+    assert gemm_inner_dim(1e-9) == 64  # never an empty GEMM
