@@ -36,6 +36,7 @@ test: install
 # wheels on PYTHONPATH). Builds the extension in place with the CUDA kernels.
 test-gpu:
 	MSB_CUDA=1 MAX_JOBS=$${MAX_JOBS:-16} $(PYTHON) setup.py -q build_ext --inplace
+	$(PYTHON) -c "from megatron_sparsebalance.compat import MEGATRON_CORE_VERSION, HAVE_MEGATRON_TRAINING as t; print(f'make test-gpu: megatron-core {MEGATRON_CORE_VERSION}' + (' with megatron.training' if t else ''))"
 	$(PYTHON) -m pytest -q -m "gpu" tests
 
 bench-attention:

@@ -383,10 +383,17 @@ def _base_type(annotation):
     return args[0] if args else annotation
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every field of every group as a flag (usable as Megatron-LM's ``extra_args_provider``)."""
+def add_arguments(parser: argparse.ArgumentParser, groups: Optional[dict] = None, skip_existing: bool = False,
+                  flat_dest: bool = False) -> argparse.ArgumentParser:
+    """Add every field of ``groups`` (default: all) as a flag.
+
+    ``skip_existing`` leaves out the flags ``parser`` already has, and ``flat_dest`` stores each
+    value under its field's name: how Megatron-LM's ``extra_args_provider`` adds ours to its own
+    parser (``megatron_lm.py``), which already owns the flags both entries share.
+    """
     seen = {}
-    for group_name, cls in GROUPS.items():
+    existing = set(parser._option_string_actions) if skip_existing else set()
+    for group_name, cls in (groups or GROUPS).items():
         group = parser.add_argument_group(group_name)
         docs = field_docs(cls)
         hints = typing.get_type_hints(cls)
@@ -394,10 +401,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             if f.name in seen:
                 raise ValueError(f"flag {_flag(f.name)} is defined by both {seen[f.name]} and {group_name}")
             seen[f.name] = group_name
+            if {_flag(f.name), "--no-" + f.name.replace("_", "-")} & existing:
+                continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             help_text = docs.get(f.name, "")
             typ = _base_type(hints[f.name])
-            dest = f"{group_name}.{f.name}"
+            dest = f.name if flat_dest else f"{group_name}.{f.name}"
             if typ is bool:
                 if f.name == "sparse_attention":  # users type both spellings
                     group.add_argument(_flag(f.name), dest=dest, action=argparse.BooleanOptionalAction, default=default,

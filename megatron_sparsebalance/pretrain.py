@@ -126,6 +126,7 @@ class Metrics:
         row = dict(
             iteration=iteration, consumed_samples=consumed, elapsed_ms=elapsed_ms,
             tflops_per_gpu=flops / (elapsed_ms / 1e3) / world / 1e12, lr=lr, loss=step.loss,
+            lm_loss=step.extra.get("lm_loss", float("nan")),
             grad_norm=float(step.grad_norm) if step.grad_norm is not None else float("nan"),
             skipped=skipped_total, nan=nan_total, imbalance=m.imbalance if m else float("nan"),
             bubble=sum(m.bubble) / len(m.bubble) if m else float("nan"),
@@ -222,7 +223,6 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
     init_distributed(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
                      cfg.parallel.distributed_backend, seed=cfg.data.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    torch.manual_seed(cfg.data.seed)
     rank, dp_rank = dist.get_rank(), parallel_state.get_data_parallel_rank()
     dp = parallel_state.get_data_parallel_world_size()
     shape = cfg.model_shape()

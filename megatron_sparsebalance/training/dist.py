@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from megatron_sparsebalance.compat import initialize_model_parallel
 
 
 def free_port() -> int:
@@ -38,7 +43,7 @@ def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, rank=rank, world_size=world)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+        initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
     elif (parallel_state.get_tensor_model_parallel_world_size(),
           parallel_state.get_pipeline_model_parallel_world_size()) != (tensor_parallel_size, pipeline_parallel_size):
         raise ValueError(
@@ -46,12 +51,23 @@ def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
             f"{pipeline_parallel_size} differ from this process's model-parallel groups "
             f"({parallel_state.get_tensor_model_parallel_world_size()} / "
             f"{parallel_state.get_pipeline_model_parallel_world_size()}): destroy them first")
+    # Every call, also when the groups already exist (several runs in one process): a run starts
+    # from its seed, so its weights do not depend on the runs before it.
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    """Megatron-LM's meaning of ``--seed``: Python's, NumPy's, torch's and megatron-core's CUDA RNG
+    tracker, each stage at ``seed + 100 * pipeline rank`` (Megatron-LM's ``_set_random_seed``), so a
+    run starts from the same weights in both entries (standalone and Megatron-LM's loop)."""
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
     if torch.cuda.is_available():
-        # Every call, also when the groups already exist (several runs in one process): a run
-        # starts from the seeded tracker, so its weights do not depend on the runs before it.
         from megatron.core import tensor_parallel
 
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
 def destroy_distributed() -> None:
