@@ -99,3 +99,21 @@ def test_auto_table_files_the_measured_order_under_the_gpu_and_keeps_the_others(
     assert scope["MEASURED"]["NVIDIA X"]["source"].endswith("attention_x.json")
     for gpu, entry in MEASURED.items():  # the GPUs measured before are kept as they were
         assert scope["MEASURED"][gpu] == entry
+
+
+def test_a_row_whose_gradients_differ_from_ours_is_flagged_before_it_is_timed():
+    import torch
+
+    from benchmarks.attention import check_failure, compare
+
+    torch.manual_seed(0)
+    ours = [torch.randn(256, 4, 32) for _ in range(4)]
+    rounded = [x.to(torch.bfloat16) for x in ours]  # a correct bf16 kernel: rounding only
+    assert check_failure(compare(rounded, ours), "cuda") is None
+    wrong = [x.clone() for x in rounded]
+    wrong[2][:128] = 0  # dk of a whole block missing (a block left out of the backward)
+    message = check_failure(compare(wrong, ours), "cuda")
+    assert message.startswith("differs from cuda: dk") and "dq" not in message
+    nan = [x.clone() for x in rounded]
+    nan[0][0, 0, 0] = float("nan")
+    assert "out" in check_failure(compare(nan, ours), "cuda")
