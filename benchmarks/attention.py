@@ -436,8 +436,9 @@ def main(argv=None):
                             references[density] = outputs_and_grads(ref_forward)
                             del ref_forward
                         if impl != ref_impl:
-                            row.update(check_vs=ref_impl, check=compare(outputs_and_grads(forward), references[density]))
-                            failure = check_failure(row["check"], ref_impl)
+                            check = compare(outputs_and_grads(forward), references[density])
+                            row.update(check_vs=ref_impl, check=check)
+                            failure = check_failure(check, ref_impl)
                             if failure:
                                 raise AssertionError(failure)
                     ms = cuda_time(step, iters=args.iters)
@@ -551,8 +552,10 @@ def markdown_table(result) -> str:
                  ratio(flex and flex.get("ms"), best_ours_ms(got)),
                  fwd_bwd(cuda), fwd_bwd(triton), fwd_bwd(flex), " / ".join(gib(r) for r in (cuda, triton, flex))]
         flash, fa4, fa4_ours = (got.get(i) for i in ("flex_flash", "fa4", "fa4_backend"))
-        cells += [] if not with_fa4 else [ms(flash), ms(fa4), ms(fa4_ours), ratio(fa4 and fa4.get("ms"), cuda and cuda.get("ms")),
-                  ratio(fa4 and fa4.get("ms"), best_ours_ms(got)), fwd_bwd(fa4)]
+        if with_fa4:
+            fa4_ms = fa4 and fa4.get("ms")
+            cells += [ms(flash), ms(fa4), ms(fa4_ours), ratio(fa4_ms, cuda and cuda.get("ms")),
+                      ratio(fa4_ms, best_ours_ms(got)), fwd_bwd(fa4)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
