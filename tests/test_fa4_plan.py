@@ -29,7 +29,7 @@ from megatron_sparsebalance.ops.layout import BlockLayout
 from megatron_sparsebalance.ops.naive import block_mask_of_sequence, sparse_attention_naive
 from megatron_sparsebalance.ops.router import block_scores, select_blocks
 
-PACKS = {"97": [97], "1025": [1025], "256": [256], "varlen": [300, 97, 1025, 64, 1]}
+PACKS = {"97": [97], "256": [256], "varlen": [300, 97, 530, 64, 1]}
 
 
 def _route(lens, hq, g, d, block, budget, seed=0):
@@ -65,19 +65,16 @@ def _our_token_mask(route, group):
 def _fa4_token_mask(cnt_full, idx_full, cnt_mask, idx_mask, head, num_sub):
     """``[Tp, Tp]`` bool: what FA4 computes for query head ``head`` from its forward tensors, read
     one entry at a time: full blocks whole, partial blocks under the mask_mod ``q >= kv``."""
-    Tp = num_sub * FA4_BLOCK
-    pos = torch.arange(Tp)
-    mask = torch.zeros(Tp, Tp, dtype=torch.bool)
+    FULL, PARTIAL = 1, 2
+    kind = torch.zeros(num_sub, num_sub, dtype=torch.int8)
     for m in range(num_sub):
-        rows = slice(m * FA4_BLOCK, (m + 1) * FA4_BLOCK)
         for s in range(int(cnt_full[0, head, m])):
-            n = int(idx_full[0, head, m, s])
-            mask[rows, n * FA4_BLOCK:(n + 1) * FA4_BLOCK] = True
+            kind[m, int(idx_full[0, head, m, s])] |= FULL
         for s in range(int(cnt_mask[0, head, m])):
-            n = int(idx_mask[0, head, m, s])
-            cols = slice(n * FA4_BLOCK, (n + 1) * FA4_BLOCK)
-            mask[rows, cols] |= pos[rows, None] >= pos[None, cols]
-    return mask
+            kind[m, int(idx_mask[0, head, m, s])] |= PARTIAL
+    tokens = kind.repeat_interleave(FA4_BLOCK, 0).repeat_interleave(FA4_BLOCK, 1)
+    pos = torch.arange(num_sub * FA4_BLOCK)
+    return (tokens & FULL).bool() | ((tokens & PARTIAL).bool() & (pos[:, None] >= pos[None, :]))
 
 
 def _entries(cnt, idx, head):
@@ -92,9 +89,9 @@ def _entries(cnt, idx, head):
 
 @pytest.mark.parametrize("block", [128, 256])
 @pytest.mark.parametrize("lens", list(PACKS.values()), ids=list(PACKS))
-@pytest.mark.parametrize("budget", [1, 2, 3, "all"])
+@pytest.mark.parametrize("budget", [1, 3, "all"])
 def test_plan_reads_exactly_our_mask_and_its_transpose_is_the_backward(block, lens, budget):
-    hq, g = 6, 2
+    hq, g = 4, 2
     _, _, _, route = _route(lens, hq, g, 8, block, budget)
     plan = fa4_block_plan(route, hq)
     lay = route.layout
@@ -146,7 +143,7 @@ def _emulated_fa4(q1, k1, v1, plan, scale):
 
 
 @pytest.mark.parametrize("block", [128, 256])
-@pytest.mark.parametrize("lens", [[300, 97, 1025, 64], [256, 128]], ids=["varlen", "whole"])
+@pytest.mark.parametrize("lens", [[300, 97, 530, 64], [256, 128]], ids=["varlen", "whole"])
 def test_wrapper_pads_calls_once_and_unpads_with_gradients(monkeypatch, block, lens):
     calls = []
 
