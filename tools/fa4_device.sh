@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install flash-attn-4 from the wheels tools/fa4_wheels.sh split over two calls.
 #   bash tools/fa4_device.sh stage     # call 1 (carry .whl-fa4/call1): keep its files in /tmp/fa4stage
-#   export PYTHONPATH=$(bash tools/fa4_device.sh install)   # call 2 (carry .whl-fa4/call2)
+#   P=$(bash tools/fa4_device.sh install) || exit 1; export PYTHONPATH=$P   # call 2 (carry .whl-fa4/call2)
 # install joins the big wheel, checks every wheel's sha256, installs all into /tmp/fa4site with
 # pip --target and prints the PYTHONPATH to use (its last line of stdout; the rest goes to stderr):
 # with --target, the CuTe DSL's .pth is not read, so <target>/nvidia_cutlass_dsl/dsl_packages
