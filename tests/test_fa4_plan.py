@@ -230,3 +230,22 @@ def test_measured_order_ranks_by_geometric_mean_and_leaves_out_incomplete_implem
     entry = measured_entry(result)
     assert entry["order"] == ["fa4", "cuda"]
     assert entry["geomean_ms"] == {"fa4": 3.0, "cuda": 4.0} and entry["cases"] == 2
+
+
+def test_one_sequence_plan_is_the_flex_block_mask_the_benchmark_gives_fa4_directly():
+    """The benchmark's ``fa4`` row calls FA4 with the BlockMask's own tensors (its KV-direction
+    ones forward, its transposed Q-direction ones backward); ``fa4_backend`` with our plan. On one
+    sequence of whole blocks they must be the same block sets, head by head."""
+    from benchmarks.attention import flex_block_mask
+
+    hq, S = 4, 1024
+    _, _, _, route = _route([S], hq, 2, 8, 128, 3)
+    plan = fa4_block_plan(route, hq)
+    bm = flex_block_mask(route, hq, S)
+    for h in range(hq):
+        pairs = [(bm.full_kv_num_blocks, bm.full_kv_indices, plan.fwd_full_cnt, plan.fwd_full_idx),
+                 (bm.kv_num_blocks, bm.kv_indices, plan.fwd_mask_cnt, plan.fwd_mask_idx),
+                 (bm.full_q_num_blocks, bm.full_q_indices, plan.bwd_full_cnt, plan.bwd_full_idx),
+                 (bm.q_num_blocks, bm.q_indices, plan.bwd_mask_cnt, plan.bwd_mask_idx)]
+        for flex_cnt, flex_idx, our_cnt, our_idx in pairs:
+            assert _entries(flex_cnt.int(), flex_idx.int(), h) == _entries(our_cnt, our_idx, h)
