@@ -57,6 +57,13 @@ except ImportError:  # optional: only --tensorboard-dir needs it
 # ---- set-up --------------------------------------------------------------------------------
 
 
+def attention_impl_name(cfg: SparseBalanceConfig, device: torch.device) -> str:
+    """The attention implementation the run's layers resolve to ('dense' without sparse attention)."""
+    if not cfg.sparse.sparse_attention:
+        return "dense"
+    return resolve_impl(cfg.sparse.sparse_attn_impl, device, cfg.sparse.deterministic_mode, cfg.sparse.moba_block_size)
+
+
 def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> LatencyModel:
     """The table of --latency-table (checked against this run) or the analytic model."""
     shape = cfg.model_shape()
@@ -64,7 +71,8 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
     # (--decoder-first/last-pipeline-num-layers) online calibration absorbs the difference.
     nl = shape.num_layers // cfg.parallel.pipeline_model_parallel_size
     if cfg.latency.latency_table:
-        impl = resolve_impl(cfg.sparse.sparse_attn_impl, device)
+        impl = resolve_impl(cfg.sparse.sparse_attn_impl, device, cfg.sparse.deterministic_mode,
+                            cfg.sparse.moba_block_size)
         expect = latency_metadata(shape, cfg.sparse.moba_block_size, nl, "bfloat16" if cfg.training.bf16 else "float32",
                                   kernel_impl=impl, pipeline_parallel_size=cfg.parallel.pipeline_model_parallel_size,
                                   gpu=None if device.type == "cuda" else "cpu",
@@ -280,7 +288,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
         print(f"megatron-sparsebalance: {shape.num_layers} layers over PP={cfg.parallel.pipeline_model_parallel_size} "
               f"({'/'.join(map(str, cfg.pipeline_layer_split(shape)))} per stage) "
               f"DP={dp}, {cfg.micro_batches_per_rank(world)} micro-batches per rank, attention "
-              f"{resolve_impl(cfg.sparse.sparse_attn_impl, device) if cfg.sparse.sparse_attention else 'dense'}, "
+              f"{attention_impl_name(cfg, device)}, "
               f"DST {cfg.dst.dst_anchor} (p={cfg.dst.dst_p}, growth {cfg.dst.dst_growth}), batching {cfg.batching.batching}, "
               f"latency model {type(latency).__name__}", flush=True)
 
