@@ -103,3 +103,17 @@ def write_tiny_llama_gguf(path: str, seed: int = 0, dtype: str = "F32"):
     w.write_tensors_to_file()
     w.close()
     return model
+
+
+def tiny_hf_dir(workdir: str, seed: int = 0) -> str:
+    """The tiny GGUF written under ``workdir`` and turned into an HF directory (model + tokenizer)
+    by the same code as ``tools/get_model.py --gguf``; returns the directory."""
+    import os
+
+    from megatron_sparsebalance.convert.gguf_source import gguf_to_hf
+
+    path = os.path.join(workdir, "tiny.gguf")
+    write_tiny_llama_gguf(path, seed)
+    out = os.path.join(workdir, "hf")
+    gguf_to_hf(path, out, log=lambda *_: None)
+    return out
