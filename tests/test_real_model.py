@@ -166,3 +166,46 @@ def test_coverage_benchmark_smoke(tiny, real_data, tmp_path):
     with pytest.raises(ValueError, match="--seq-lengths 256: shorter than"):
         run(build_parser().parse_args(["--checkpoint", tiny["mcore"], "--data-path", real_data["valid"],
                                        "--seq-lengths", "256", "--moba-topk", "8", "--moba-block-size", "64"]))
+
+
+def test_extension_configs_are_valid_pretrain_runs(tiny, real_data):
+    """Each configuration of benchmarks/realworld_extension.py is a run pretrain accepts, at the chosen RoPE base."""
+    from benchmarks.realworld import ntk_rotary_base
+    from benchmarks.realworld_extension import CONFIGS, _pretrain_argv, build_parser, rotary_base
+    from megatron_sparsebalance.config import parse_config
+
+    args = build_parser().parse_args(["--checkpoint", tiny["mcore"], "--tokenizer-model", tiny["hf"],
+                                      "--train-documents", real_data["train"], "--valid-documents", real_data["valid"],
+                                      "--workdir", os.path.dirname(real_data["mix"]), "--seq-length", "512",
+                                      "--trained-length", "128", "--moba-topk", "4", "--no-bf16",
+                                      "--sparse-attn-impl", "torch", "--train-iters", "8", "--global-batch-size", "2"])
+    base = rotary_base(args)
+    assert base == pytest.approx(1e5 * 4 ** (16 / 14)) == ntk_rotary_base(1e5, 16, 4.0)  # head dim 16, factor 4
+    seen = {}
+    for name in CONFIGS:
+        cfg = parse_config(_pretrain_argv(args, name, base, "/tmp/unused")).validate(world_size=1)
+        shape = cfg.model_shape()
+        assert shape.rotary_base == base and shape.num_layers == 2
+        seen[name] = (cfg.sparse.sparse_attention, cfg.dst.dst_anchor, cfg.dst.dst_p, cfg.data.seed)
+    assert seen["dense"][:2] == (False, "none") and seen["fixed"][1] == "none" != seen["sb_p0.1"][1]
+    assert seen["fixed"][3] != seen["fixed_seed2"][3] and seen["sb_p0.1"][2] == 0.1 and seen["sb_p0.2"][2] == 0.2
+
+
+def test_passkey_prompts(tiny, real_data):
+    from transformers import AutoTokenizer
+
+    from benchmarks.realworld import PASSKEY_DEPTHS, heldout_windows, passkey_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny["hf"])
+    filler = heldout_windows(real_data["valid"], 1024, 1)[0]
+    prompts = passkey_prompts(tok, filler, 1024, keys=2)
+    assert len(prompts) == 2 * len(PASSKEY_DEPTHS)
+    for p in prompts:
+        assert len(p.tokens) == 1024
+        text = tok.decode(p.tokens)
+        key = tok.decode(p.tokens[p.answer_at:]).strip()
+        assert key.isdigit() and len(key) == 5 and text.endswith("The pass key is " + key)
+        at = text.index(f"The pass key is {key}. Remember it.")
+        assert abs(at / len(text) - p.depth) < 0.15  # planted at its depth (in characters, roughly)
+    with pytest.raises(ValueError, match="the held-out filler has"):
+        passkey_prompts(tok, filler[:100], 1024)
