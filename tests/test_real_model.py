@@ -117,8 +117,8 @@ def real_data(tiny, tmp_path_factory):
                                 log=lambda *_: None)["text"]
     mix = mix_parser().parse_args(["--input", out["train"], "--output-prefix", str(root / "mix"),
                                    "--distribution", "longtail", "--seq-length", "512", "--samples", "16"])
-    out["summary"] = build_mix(mix)
-    out["mix"] = str(root / "mix")
+    out["summary"] = build_mix(mix)["longtail"]
+    out["mix"] = str(root / "mix_longtail")
     return out
 
 

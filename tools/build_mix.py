@@ -6,12 +6,14 @@
 
 The lengths are drawn from the mock data's distributions (megatron_sparsebalance/data/distributions.py);
 each sample is a crop of a real document (rules in megatron_sparsebalance/data/mixes.py). Writes
-<output-prefix>.bin/.idx (pass the prefix to --data-path) and, with --histogram PREFIX,
-PREFIX.png and PREFIX.json (lengths, quantiles, how many samples were fresh / reused / clipped).
+<output-prefix>_<distribution>.bin/.idx for each --distribution (pass that prefix to --data-path)
+and, with --histogram PREFIX, PREFIX.png (one panel per mix) and PREFIX.json (lengths, quantiles,
+how many samples were fresh / reused / clipped).
 
 Example:
-  python tools/build_mix.py --input data/real/train_text_document --distribution longtail \\
-      --seq-length 32768 --samples 512 --output-prefix data/real/longtail_32k --histogram data/real/longtail_32k_hist
+  python tools/build_mix.py --input data/real/train_text_document --distribution longtail bimodal \\
+      --seq-length 32768 --samples 512 --output-prefix data/real/mix32k --histogram data/real/mix32k_hist
+  (writes data/real/mix32k_longtail.bin/.idx, data/real/mix32k_bimodal.bin/.idx)
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from megatron_sparsebalance.data.mixes import MIX_DISTRIBUTIONS, mix_summary, pl
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="prefix of the tokenized documents (.bin/.idx)")
-    p.add_argument("--output-prefix", required=True, help="prefix of the mix's .bin/.idx")
-    p.add_argument("--distribution", required=True, choices=MIX_DISTRIBUTIONS)
+    p.add_argument("--output-prefix", required=True, help="the mixes go to <prefix>_<distribution>.bin/.idx")
+    p.add_argument("--distribution", required=True, nargs="+", choices=MIX_DISTRIBUTIONS)
     p.add_argument("--seq-length", type=int, required=True, help="longest sample (the distribution is scaled to it)")
     p.add_argument("--samples", type=int, required=True, help="samples in the mix")
     p.add_argument("--seed", type=int, default=1234)
@@ -35,20 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_mix(args) -> dict:
+    """Every requested mix; returns ``{distribution: summary}`` (with each mix's ``prefix``)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     if not IndexedDataset.exists(args.input):
         raise ValueError(f"--input {args.input!r}: no {args.input}.bin / .idx")
     docs = IndexedDataset(args.input, mmap=True)
-    cuts = plan_mix(docs.sequence_lengths, args.distribution, args.samples, args.seq_length, args.seed)
-    write_mix(docs, cuts, args.output_prefix)
-    summary = mix_summary(cuts, args.distribution, args.seq_length, args.seed)
-    summary["input"] = args.input
+    summaries = {}
+    for name in args.distribution:
+        cuts = plan_mix(docs.sequence_lengths, name, args.samples, args.seq_length, args.seed)
+        prefix = f"{args.output_prefix}_{name}"
+        write_mix(docs, cuts, prefix)
+        s = summaries[name] = mix_summary(cuts, name, args.seq_length, args.seed)
+        s.update(input=args.input, prefix=prefix)
+        print(f"{prefix}: {s['samples']} samples, {s['tokens']} tokens, median {s['quantiles']['0.5']}, "
+              f"rules {s['rules']}")
     if args.histogram:
-        write_histogram({args.distribution: summary}, args.histogram + ".png", args.histogram + ".json")
-    print(f"{args.output_prefix}: {summary['samples']} samples, {summary['tokens']} tokens, "
-          f"median {summary['quantiles']['0.5']}, rules {summary['rules']}")
-    return summary
+        write_histogram(summaries, args.histogram + ".png", args.histogram + ".json")
+    return summaries
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

