@@ -15,6 +15,8 @@ import torch
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
 from megatron_sparsebalance.convert.converter import checkpoint_common, ensure_single_process_megatron, resolve_checkpoint
 from megatron_sparsebalance.training.checkpointing import load_checkpoint
+from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
+from megatron_sparsebalance.training.dist import init_distributed
 from megatron_sparsebalance.training.model import ModelShape, build_gpt_model, transformer_config
 
 # Passkey prompts: a number planted at a depth of a held-out document, asked for at the end.
@@ -38,13 +40,12 @@ def build(shape: ModelShape, sparse: SparseAttentionConfig, max_sequence_length:
           checkpoint: Optional[str] = None, bf16: bool = False, seed: int = 1234):
     """The model on this process's device: the checkpoint's weights, or (``checkpoint`` None)
     megatron-core's random initialisation of the same architecture with ``seed``."""
+    # NCCL on a GPU (the checkpoint loads straight into CUDA tensors), gloo on a CPU; on a GPU this
+    # also seeds megatron-core's CUDA RNG tracker, from which the random-init comparison draws.
+    enable_cpu_megatron()
+    init_distributed(1, 1, backend="auto", seed=seed)
     ensure_single_process_megatron()
-    if checkpoint is None:
-        torch.manual_seed(seed)
-        if torch.cuda.is_available():  # megatron-core draws GPU-initialised weights from its tracker
-            from megatron.core import tensor_parallel
-
-            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)  # CPU initialisation draws from here
     config = transformer_config(shape, bf16=bf16)
     config.perform_initialization = checkpoint is None
     model = build_gpt_model(shape, sparse, config, max_sequence_length=max_sequence_length)

@@ -89,6 +89,6 @@ def gguf_to_hf(gguf_path: str, out_dir: str, log=print) -> dict:
     fresh.save_pretrained(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
     tokenizer.save_pretrained(out_dir)
-    log(f"wrote {out_dir}: {type(fresh).__name__}, {sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters "
+    log(f"wrote {out_dir}: {type(fresh).__name__}, {sum(p.numel() for p in fresh.parameters()) / 1e6:.1f}M parameters "
         f"(fp32, dequantized by transformers from {name}), tokenizer of {len(tokenizer)} tokens")
     return {"architecture": type(fresh).__name__, "config": config.to_dict(), "tensors": len(state)}
