@@ -173,3 +173,18 @@ def test_mix_shapes_match_the_papers_data(tmp_path):
     assert (tmp_path / "h.png").stat().st_size > 1000
     saved = json.loads((tmp_path / "h.json").read_text())
     assert sum(saved["longtail"]["histogram"]["counts"]) == 600 and len(saved["bimodal"]["lengths"]) == 600
+
+
+def test_text_budget_skips_whole_packages(tree):
+    full = build_documents([tree], valid_fraction=0.3, max_chars=2000)
+    size = {}
+    for d in full.train + full.valid:
+        size[d.package] = size.get(d.package, 0) + len(d.text)
+    budget = sum(size.values()) // 2
+    part = build_documents([tree], valid_fraction=0.3, max_chars=2000, max_total_chars=budget)
+    kept = {d.package for d in part.train + part.valid}
+    assert 0 < sum(size[p] for p in kept) <= budget
+    # Whole packages only, taken in hash order: each package left out would not have fitted.
+    for p in sorted(size, key=package_hash):
+        if p not in kept:
+            assert sum(size[q] for q in kept if package_hash(q) < package_hash(p)) + size[p] > budget

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-document-chars", type=int, default=DEFAULT_MAX_CHARS,
                    help="cut a package into sub-directory documents above this many characters")
     p.add_argument("--max-total-chars", type=int, default=None,
-                   help="stop adding packages (in name-hash order) once the text reaches this size")
+                   help="take packages in name-hash order, skipping any that would take the text past this size")
     return p
 
 

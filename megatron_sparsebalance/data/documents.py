@@ -182,9 +182,10 @@ def build_documents(roots: Sequence[str], valid_fraction: float = 0.1, max_chars
                     max_total_chars: Optional[int] = None) -> DocumentSet:
     """Documents of every package under ``roots`` (a name found in several roots: the first root's).
 
-    ``include`` keeps only those packages; ``max_total_chars`` stops adding packages (taken in
-    order of their split hash, so the choice does not favour early letters) once the text
-    reaches it. Training documents come in package-name order, then by directory.
+    ``include`` keeps only those packages; with ``max_total_chars`` packages are taken in order of
+    their split hash (so the choice does not favour early letters) and one that would take the
+    text past the budget is skipped. Training documents come in package-name order, then by
+    directory.
     """
     for r in roots:
         if not os.path.isdir(r):
@@ -205,12 +206,13 @@ def build_documents(roots: Sequence[str], valid_fraction: float = 0.1, max_chars
     docs: dict[str, list[Document]] = {}
     total = 0
     for name in sorted(where, key=lambda n: (package_hash(n), n)):
-        if max_total_chars is not None and total >= max_total_chars:
-            break
         found = package_documents(where[name], name, max_chars)
-        if found:
+        size = sum(len(d.text) for d in found)
+        # A package that would pass the budget is left out whole (a split package would put half
+        # a source tree in the data); smaller ones later in the order may still fit.
+        if found and (max_total_chars is None or total + size <= max_total_chars):
             docs[name] = found
-            total += sum(len(d.text) for d in found)
+            total += size
     train_names, valid_names = split_packages(docs, valid_fraction)
     return DocumentSet(train=[d for n in train_names for d in docs[n]], valid=[d for n in valid_names for d in docs[n]],
                        packages={"train": train_names, "valid": valid_names}, roots=list(roots))
