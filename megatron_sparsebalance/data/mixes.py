@@ -117,7 +117,8 @@ def write_histogram(summaries: dict, png_path: str, json_path: str) -> None:
     fig, axes = plt.subplots(1, len(summaries), figsize=(5 * len(summaries), 3.5), squeeze=False)
     for ax, (name, s) in zip(axes[0], summaries.items()):
         ax.hist(np.array(s["lengths"]) / 1024, bins=40, color="tab:blue")
-        ax.set_title(f"{name} (--seq-length {s['seq_length']}): {s['samples']} samples, {s['tokens'] / 1e6:.2f} M tokens", fontsize=9)
+        ax.set_title(f"{name} (--seq-length {s['seq_length']}): {s['samples']} samples, "
+                     f"{s['tokens'] / 1e6:.2f} M tokens", fontsize=9)
         ax.set_xlabel("sample length (K tokens)")
         ax.set_ylabel("samples")
     fig.tight_layout()
