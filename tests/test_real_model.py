@@ -168,15 +168,19 @@ def test_coverage_benchmark_smoke(tiny, real_data, tmp_path):
                                        "--seq-lengths", "256", "--moba-topk", "8", "--moba-block-size", "64"]))
 
 
-def test_extension_configs_are_valid_pretrain_runs(tiny, real_data):
+def test_extension_configs_are_valid_pretrain_runs(tiny, real_data, tmp_path):
     """Each configuration of benchmarks/realworld_extension.py is a run pretrain accepts, at the chosen RoPE base."""
+    import shutil
+
     from benchmarks.realworld import ntk_rotary_base
     from benchmarks.realworld_extension import CONFIGS, _pretrain_argv, build_parser, rotary_base
     from megatron_sparsebalance.config import parse_config
 
+    for suffix in (".bin", ".idx"):  # the training mix where the benchmark writes it
+        shutil.copy(real_data["mix"] + suffix, tmp_path / f"mix{suffix}")
     args = build_parser().parse_args(["--checkpoint", tiny["mcore"], "--tokenizer-model", tiny["hf"],
                                       "--train-documents", real_data["train"], "--valid-documents", real_data["valid"],
-                                      "--workdir", os.path.dirname(real_data["mix"]), "--seq-length", "512",
+                                      "--workdir", str(tmp_path), "--seq-length", "512",
                                       "--trained-length", "128", "--moba-topk", "4", "--no-bf16",
                                       "--sparse-attn-impl", "torch", "--train-iters", "8", "--global-batch-size", "2"])
     base = rotary_base(args)
