@@ -87,6 +87,8 @@ def preprocess(input_path: str, prefix: str, tokenizer_model: str, keys: Sequenc
             results = map(_encode_line, numbered)
             pool = None
         else:
+            # The parent has used the tokenizer already; its Rust thread pool must not be forked.
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
             pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (tokenizer_model, tuple(keys), append_eod))
             results = pool.imap(_encode_line, numbered, chunksize=4)  # imap keeps the input order
         try:
