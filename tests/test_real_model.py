@@ -213,3 +213,45 @@ def test_passkey_prompts(tiny, real_data):
         assert abs(at / len(text) - p.depth) < 0.15  # planted at its depth (in characters, roughly)
     with pytest.raises(ValueError, match="the held-out filler has"):
         passkey_prompts(tok, filler[:100], 1024)
+
+
+def test_random_twin_has_the_architecture_not_the_weights(tiny, tmp_path):
+    """--random-init-seed: the comparison model of the same architecture, converted the same way."""
+    outs = []
+    for run in ("a", "b"):
+        hf, mc = str(tmp_path / f"hf_{run}"), str(tmp_path / f"mc_{run}")
+        assert get_model_cli(["--hf-dir", tiny["hf"], "--random-init-seed", "5", "--hf-out", hf, "--mcore-out", mc,
+                              "--verify-seq-length", "128"]) == 0
+        outs.append((hf, mc))
+    real, twin, again = _hf_state(tiny["hf"]), _hf_state(outs[0][0]), _hf_state(outs[1][0])
+    assert real.keys() == twin.keys()
+    assert all(real[k].shape == twin[k].shape for k in real)
+    assert not torch.equal(real["model.layers.0.self_attn.q_proj.weight"], twin["model.layers.0.self_attn.q_proj.weight"])
+    assert all(torch.equal(twin[k], again[k]) for k in twin)  # the seed fixes it
+    shapes = [json.load(open(os.path.join(p, "iter_0000000", "conversion.json")))["model_shape"]
+              for p in (tiny["mcore"], outs[0][1])]
+    assert shapes[0] == shapes[1]
+    assert get_model_cli(["--hf-dir", tiny["hf"], "--random-init-seed", "5", "--mcore-out", str(tmp_path / "x")]) == 2
+
+
+def test_e2e_runs_from_a_checkpoint_on_real_mixes(tiny, real_data):
+    """benchmarks/e2e.py --checkpoint --data-prefix --weights: valid pretrain runs; speedups per weights."""
+    from benchmarks.e2e import CONFIGS, add_speedups, parse_args, pretrain_flags
+    from megatron_sparsebalance.config import parse_config
+
+    prefix = real_data["mix"][: -len("_longtail")]
+    args = parse_args(["--layout", "pp2dp1", "--checkpoint", tiny["mcore"], "--data-prefix", prefix,
+                       "--weights", "smollm2", "--seq-length", "512", "--moba-block-size", "64", "--moba-topk", "4",
+                       "--global-batch-size", "4", "--last-stage-layers", "1"])
+    for config in ("baseline", "sab+dst", "dense"):
+        flags = pretrain_flags(args, "longtail", config)
+        assert "--mock-data" not in flags and flags[flags.index("--data-path") + 1] == real_data["mix"]
+        cfg = parse_config(flags).validate(world_size=2)
+        assert cfg.model.use_checkpoint_args and cfg.model_shape().num_layers == 2
+        assert cfg.pipeline_layer_split() == [1, 1]
+    assert set(CONFIGS) >= {"baseline", "lbb", "sab", "dst", "sab+dst"}
+    rows = [dict(layout="pp2dp1", dist="longtail", config=c, weights=w, iter_ms=t, pipeline_ms=t)
+            for c, w, t in (("baseline", "smollm2", 100.0), ("dst", "smollm2", 80.0),
+                            ("baseline", "random", 200.0), ("dst", "random", 100.0))]
+    add_speedups(rows)
+    assert [r["speedup"] for r in rows] == [1.0, 1.25, 1.0, 2.0]  # each against its own weights' baseline

