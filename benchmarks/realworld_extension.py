@@ -7,7 +7,8 @@ Steps (docs/REAL_MODEL.md has the command):
    documents to a ``--distribution`` mix at ``--seq-length`` (data/mixes.py), so a run is one
    epoch and every configuration trains the same samples (SAB reorders only within a global batch).
 2. One worker per configuration on its own GPU (``CUDA_VISIBLE_DEVICES``; more configurations
-   than GPUs wait for a free one). A worker evaluates the starting checkpoint ("before"), trains
+   than GPUs wait for a free one). A worker evaluates the starting checkpoint as published, at its
+   own RoPE base ("before"), trains
    it with ``megatron_sparsebalance.pretrain --pretrained-checkpoint --use-checkpoint-args
    --rotary-base R`` and evaluates the result ("after").
 3. Evaluation, as the run's own evaluator decides (training/evaluate.py): sparse runs at the fixed
@@ -90,6 +91,12 @@ def rotary_base(args) -> float:
     return ntk_rotary_base(shape.rotary_base, shape.kv_channels, args.seq_length / args.trained_length)
 
 
+def rotary_base_of(checkpoint: str) -> float:
+    from benchmarks.realworld import checkpoint_shape
+
+    return checkpoint_shape(checkpoint).rotary_base
+
+
 def validate(args) -> None:
     if args.train_iters <= args.warmup_iters:
         raise ValueError(f"--train-iters ({args.train_iters}) must exceed --warmup-iters ({args.warmup_iters})")
@@ -102,7 +109,8 @@ def validate(args) -> None:
 # ---- the worker: one configuration on one device ------------------------------------------------
 
 
-def _evaluate(args, checkpoint: str, config: str, base: float) -> dict:
+def _evaluate(args, checkpoint: str, config: str, base: Optional[float]) -> dict:
+    """Loss and passkey of ``checkpoint`` with the run's attention; ``base`` None: its own RoPE base."""
     from dataclasses import replace
 
     import torch
@@ -110,7 +118,8 @@ def _evaluate(args, checkpoint: str, config: str, base: float) -> dict:
     from benchmarks import realworld as rw
     from megatron_sparsebalance.data.datasets import load_tokenizer
 
-    shape = replace(rw.checkpoint_shape(checkpoint), rotary_base=base)
+    shape = rw.checkpoint_shape(checkpoint)
+    shape = replace(shape, rotary_base=base) if base is not None else shape
     sparse = rw.sparse_config(args.moba_block_size, args.moba_topk, args.sparse_attn_impl, sparse=config != "dense")
     model = rw.build(shape, sparse, args.seq_length, checkpoint, bf16=args.bf16)
     windows = rw.heldout_windows(args.valid_documents, args.seq_length, args.eval_windows)
@@ -160,7 +169,7 @@ def worker(args, config: str) -> dict:
     run_dir = os.path.join(args.workdir, config)
     os.makedirs(run_dir, exist_ok=True)
     t0 = time.time()
-    before = _evaluate(args, args.checkpoint, config, base)
+    before = _evaluate(args, args.checkpoint, config, None)  # the model as published, at its own base
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
@@ -181,7 +190,7 @@ def worker(args, config: str) -> dict:
            "tokens_per_s": sum(tokens[m["iteration"] - 1] for m in measured) / seconds if seconds else None,
            "mean_budget": sum(budgets) / len(budgets) if budgets and config != "dense" else None,
            "before": {"val_loss": before["val_loss"], "val_loss_last_quarter": before["val_loss_last_quarter"],
-                      "passkey": before["passkey"]},
+                      "passkey": before["passkey"], "rotary_base": rotary_base_of(args.checkpoint)},
            "train_loss_first": metrics[0]["loss"], "train_loss_last": metrics[-1]["loss"],
            "eval_windows": after["windows"], "rotary_base": base, "wall_s": time.time() - t0}
     with open(os.path.join(run_dir, "row.json"), "w") as f:
