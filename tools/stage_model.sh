@@ -75,5 +75,5 @@ case "$cmd" in
     echo "export PYTHONPATH=$PYLIB:$REPO\${PYTHONPATH:+:\$PYTHONPATH}"
     ;;
   *)
-    sed -n '2,17p' "$0"; exit 2 ;;
+    sed -n '2,15p' "$0"; exit 2 ;;
 esac
