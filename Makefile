@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # torch==2.13.0 is a CPU wheel on the CPU machines; an unpinned torch drags GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
-DEPS := "megatron-core==0.16.1" triton pybind11 numpy ninja pytest pytest-timeout psutil transformers tokenizers tensorboard matplotlib
+DEPS := "megatron-core==0.16.1" triton pybind11 numpy ninja pytest pytest-timeout psutil transformers tokenizers tensorboard matplotlib gguf accelerate
 NATIVE_SRC := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 # A test that hangs fails after 15 minutes, with every thread's stack, instead of using up CI's time.
 PYTEST_CPU := -m "not gpu and not multigpu" --timeout=900

@@ -56,7 +56,8 @@ class ModelConfig:
     """Separate output layer (the 3B preset is untied already)."""
     use_checkpoint_args: bool = False
     """Take the architecture from the checkpoint of --load or --pretrained-checkpoint (recorded by
-    tools/convert_checkpoint.py or a previous run) instead of --model and the shape flags."""
+    tools/convert_checkpoint.py or a previous run) instead of --model and the shape flags; an
+    explicit --rotary-base still applies (context extension)."""
 
     def shape(self) -> ModelShape:
         base = MODEL_PRESETS[self.model]
@@ -235,7 +236,11 @@ class SparseBalanceConfig:
         recorded = dist_checkpointing.load_common_state_dict(path).get("common", {}).get("model_shape")
         if recorded is None:
             raise ValueError(f"--use-checkpoint-args: {path} records no model_shape")
-        return ModelShape(**recorded)
+        shape = ModelShape(**recorded)
+        # RoPE's base holds no weights: raising it is how a pretrained model's context is extended.
+        if self.model.rotary_base is not None:
+            shape = dataclasses.replace(shape, rotary_base=self.model.rotary_base)
+        return shape
 
     def pipeline_layer_split(self, shape: Optional[ModelShape] = None) -> list:
         """Transformer layers per pipeline stage (checks the --decoder-*-pipeline-num-layers flags)."""
