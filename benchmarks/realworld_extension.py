@@ -253,6 +253,7 @@ def run(args, argv: Sequence[str], log=print) -> dict:
             with open(os.path.join(args.workdir, config, "row.json")) as f:
                 rows[config] = json.load(f)
             r = rows[config]
+            log(f"  {config} row: {json.dumps(r)}")  # the whole row in the log, in case the driver is cut off
             log(f"  {config}: val loss {r['before']['val_loss']:.3f} -> {r['val_loss']:.3f} (last quarter "
                 f"{r['val_loss_last_quarter']:.3f}), passkey {r['passkey']}, {r['tokens_per_s'] or 0:.0f} tokens/s")
     result = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
