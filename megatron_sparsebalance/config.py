@@ -24,6 +24,7 @@ from typing import Optional
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
 from megatron_sparsebalance.balance.dst import ANCHORS, DSTConfig
 from megatron_sparsebalance.balance.sab import BatchingConfig
+from megatron_sparsebalance.balance.split import SplitConfig
 from megatron_sparsebalance.data.datasets import DataConfig
 from megatron_sparsebalance.training.model import MODEL_PRESETS, ModelShape, RecomputeSettings
 from megatron_sparsebalance.training.outer_sync import DPCommConfig
@@ -196,7 +197,7 @@ GROUPS = {
     "model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "optim": OptimSettings,
     "data": DataConfig, "batching": BatchingConfig, "sparse": SparseAttentionConfig, "dst": DSTFlags,
     "latency": LatencyFlags, "checkpoint": CheckpointFlags, "logging": LoggingFlags, "dp_comm": DPCommConfig,
-    "eval": EvalFlags, "recompute": RecomputeSettings,
+    "eval": EvalFlags, "recompute": RecomputeSettings, "split": SplitConfig,
 }
 
 
@@ -216,6 +217,7 @@ class SparseBalanceConfig:
     dp_comm: DPCommConfig = field(default_factory=DPCommConfig)
     eval: EvalFlags = field(default_factory=EvalFlags)
     recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
+    split: SplitConfig = field(default_factory=SplitConfig)
 
     # ---- derived ---------------------------------------------------------------------------
 
@@ -276,6 +278,7 @@ class SparseBalanceConfig:
         self.dp_comm.validate(self.optim.use_distributed_optimizer)
         self.recompute.validate()
         par, tr = self.parallel, self.training
+        self.split.validate(par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
         if par.tensor_model_parallel_size != 1:
             raise ValueError("--tensor-model-parallel-size > 1 is not supported yet (use PP and DP); got "
                              f"{par.tensor_model_parallel_size}")

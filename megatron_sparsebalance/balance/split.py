@@ -172,3 +172,34 @@ def resolve_split_flags(mode: str, num_layers: int, pp: int, first: Optional[int
         return None, None
     choice = choose_split(num_layers, pp, costs_fn())
     return choice.first, choice.last
+
+
+@dataclass
+class SplitConfig:
+    """The pipeline-split flag (its own group: it decides the two Megatron-LM flags above)."""
+
+    decoder_pipeline_split: str = "even"
+    """even: --decoder-first/last-pipeline-num-layers as given (none: an even split); auto: chosen at
+    start-up from the latency model's per-layer cost and the analytic embedding and output-layer
+    costs over the run's first global batches, the split with the smallest predicted largest stage
+    time (balance/split.py; tools/plan_pipeline_split.py prints the same choice)."""
+
+    def validate(self, first: Optional[int] = None, last: Optional[int] = None) -> "SplitConfig":
+        if self.decoder_pipeline_split not in SPLIT_MODES:
+            raise ValueError(f"--decoder-pipeline-split must be one of {SPLIT_MODES}, got {self.decoder_pipeline_split!r}")
+        if self.decoder_pipeline_split == "auto" and (first is not None or last is not None):
+            raise ValueError("--decoder-pipeline-split auto chooses --decoder-first/last-pipeline-num-layers itself: "
+                             "give one or the other")
+        return self
+
+
+def run_split(shape, pp: int, micro_batch_size: int, global_batch_size: int, lengths: Sequence[int], k: int,
+              latency, block_size: int, global_batches: int = 8) -> SplitChoice:
+    """The ``auto`` split of a run: its first ``global_batches`` global batches of ``lengths`` (the
+    data set's, in order; deterministic, so every rank chooses the same) cut into micro-batches
+    of ``micro_batch_size`` samples, priced by :func:`stage_costs_from_model`."""
+    sample = [int(n) for n in list(lengths)[:global_batches * global_batch_size]]
+    mbs = [sample[i:i + micro_batch_size] for i in range(0, len(sample), micro_batch_size)]
+    hardware = getattr(latency, "hardware", None) or "h200"
+    return choose_split(shape.num_layers, pp, stage_costs_from_model(shape, mbs, k, latency, block_size=block_size,
+                                                                     hardware=hardware))

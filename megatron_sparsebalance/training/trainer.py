@@ -94,6 +94,7 @@ class Trainer:
         first_stage_layers: Optional[int] = None,
         last_stage_layers: Optional[int] = None,
         recompute: Optional[RecomputeSettings] = None,
+        calculate_per_token_loss: bool = False,
     ):
         self.shape, self.sparse, self.dst = shape, sparse.validate(), dst.validate()
         optim.validate()
@@ -108,6 +109,11 @@ class Trainer:
         self.config = transformer_config(shape, pipeline_parallel_size=pp, tensor_parallel_size=tp, bf16=bf16,
                                          num_layers=num_layers, first_stage_layers=first_stage_layers,
                                          last_stage_layers=last_stage_layers, recompute=recompute)
+        # megatron-core's per-token normalization: each micro-batch's loss sum is divided by the
+        # loss tokens of the whole global batch (all micro-batches, all DP ranks) in
+        # finalize_model_grads, so the step is the same whatever the number of micro-batches, the
+        # only normalization exact under --variable-micro-batches. Set before DDP reads it.
+        self.config.calculate_per_token_loss = calculate_per_token_loss
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         model = build_gpt_model(shape, sparse, self.config, max_sequence_length, **stage_flags()).to(device)
         if bf16:
