@@ -131,7 +131,9 @@ class DSTFlags:
     """Smallest budget DST gives a straggler."""
     dst_growth: str = "bubble"
     """How far micro-batches below the anchor grow: bubble (only into time the simulated 1F1B
-    pipeline would idle) or anchor (up to the anchor, the paper's rule)."""
+    pipeline would idle), anchor (up to the anchor, the paper's rule) or critical-path (each stage its
+    own cost from the pipeline split, the last with the output layer: growth only into each stage's
+    idle time, a shrink kept only where it shortens the simulated iteration)."""
 
 
 @dataclass

@@ -267,6 +267,11 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
                       first_stage_layers=cfg.parallel.decoder_first_pipeline_num_layers,
                       last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers, recompute=cfg.recompute,
                       calculate_per_token_loss=cfg.batching.variable_micro_batches)
+    if cfg.dst.dst_growth == "critical-path":
+        from megatron_sparsebalance.balance.split import stage_cost_model
+
+        trainer.stage_costs = stage_cost_model(shape, cfg.pipeline_layer_split(shape), cfg.sparse.moba_topk, latency,
+                                               cfg.sparse.moba_block_size, cfg.data.seq_length)
     evaluator = Evaluator(cfg, trainer, batcher) if cfg.eval.enabled else None  # before a resume changes the batcher
     # Bytes are counted per stage; a replica is all its pipeline stages.
     pp_group = parallel_state.get_pipeline_model_parallel_group()

@@ -203,3 +203,17 @@ def run_split(shape, pp: int, micro_batch_size: int, global_batch_size: int, len
     hardware = getattr(latency, "hardware", None) or "h200"
     return choose_split(shape.num_layers, pp, stage_costs_from_model(shape, mbs, k, latency, block_size=block_size,
                                                                      hardware=hardware))
+
+
+def stage_cost_model(shape, split: Sequence[int], k: int, latency, block_size: int, probe_tokens: int):
+    """Per-stage costs of ``split`` for DST's ``critical-path`` growth and the simulator: each
+    stage its layers' share of the latency model's one-stage prediction (the model is of
+    ``num_layers // pp`` layers) plus, on the last stage, the output layer and loss per token (the
+    analytic term at a ``probe_tokens`` micro-batch, in the latency model's units)."""
+    from megatron_sparsebalance.pipeline.simulate import StageCostModel, layer_fractions
+
+    hardware = getattr(latency, "hardware", None) or "h200"
+    costs = stage_costs_from_model(shape, [[int(probe_tokens)]], k, latency,
+                                   layers_of_table=shape.num_layers // len(split), block_size=block_size,
+                                   hardware=hardware)
+    return StageCostModel(layer_fractions(list(split), len(split)), 1.0, costs.output_ms / probe_tokens)

@@ -104,6 +104,9 @@ class Trainer:
         self.coverage_floor = CoverageFloor() if dst.anchor != "none" and dst.p is not None else None
         # Every DP rank's plan of the current global batch; only this rank's own grows into bubbles.
         self._plans: list = []
+        # Each stage's cost of a micro-batch, for --dst-growth critical-path (set by the entry from
+        # the pipeline split: balance/split.py stage_cost_model); None: DST prices stages alike.
+        self.stage_costs = None
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.config = transformer_config(shape, pipeline_parallel_size=pp, tensor_parallel_size=tp, bf16=bf16,
@@ -161,7 +164,7 @@ class Trainer:
         dp_rank = parallel_state.get_data_parallel_rank()
         self._plans = pipeline_plans(micro_batch_lengths, self.shape.hidden_size, self.dst, self.latency_model,
                                      parallel_state.get_pipeline_model_parallel_world_size(), self.coverage_floor,
-                                     dp_rank)
+                                     dp_rank, self.stage_costs)
         return self._plans[dp_rank]
 
     def train_step(self, micro_batch_lengths, batches, measure: bool = True) -> StepResult:
