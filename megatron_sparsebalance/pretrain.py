@@ -260,7 +260,8 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
                                    k_base=cfg.sparse.moba_topk, micro_batch_tokens=cfg.batching.micro_batch_tokens,
                                    order=cfg.batching.micro_batch_order,
                                    pipeline_stages=cfg.parallel.pipeline_model_parallel_size,
-                                   variable_micro_batches=cfg.batching.variable_micro_batches)
+                                   variable_micro_batches=cfg.batching.variable_micro_batches,
+                                   count_objective=cfg.batching.micro_batch_count_objective)
     sampler = GlobalBatchSampler(dataset.lengths, cfg.training.global_batch_size, batcher, seed=cfg.data.seed)
     trainer = Trainer(shape, cfg.sparse, cfg.dst_config(), cfg.optim, max_sequence_length=cfg.data.seq_length,
                       bf16=cfg.training.bf16, latency_model=latency, dp_comm=cfg.dp_comm,

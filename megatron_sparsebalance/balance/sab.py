@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 BATCHING_METHODS = ("sab", "lbb", "none", "hydraulis")
+COUNT_OBJECTIVES = ("hydraulis", "simulated")
 MICRO_BATCH_ORDERS = ("light-ends", "descending", "ascending", "as-planned")
 # Upper edges of the estimator's length bins (tokens): powers of two, because DST's budget choice
 # follows the attention cost, which changes shape with length on a log scale (quadratic while a
@@ -626,7 +627,8 @@ def assign_replicas(weights: Sequence[float], dp: int, pipeline_stages: int, tok
 
 
 def choose_micro_batch_count(weights: Sequence[float], tokens: Sequence[int], pipeline_stages: int,
-                             overhead: float = 0.0, token_cap: Optional[float] = None) -> tuple:
+                             overhead: float = 0.0, token_cap: Optional[float] = None,
+                             objective: str = "hydraulis", order: str = "light-ends") -> tuple:
     """Hydraulis's micro-batch count of one replica: the ``v`` minimising
     ``(heaviest micro-batch + c) x (P - 1 + v)``, ``c`` the latency model's fixed cost per pack
     (``overhead``), each ``v`` packed by :func:`balanced_partition` under ``token_cap``.
@@ -636,7 +638,16 @@ def choose_micro_batch_count(weights: Sequence[float], tokens: Sequence[int], pi
     one more fixed cost and one more slot each. ``v`` runs from the fewest packs the token cap
     allows to one sample per pack, and stops once even a pack of the heaviest sample alone
     could not win. Ties: the smaller ``v``. Returns ``(v, parts, objective)``.
+
+    ``objective="simulated"`` scores each ``v`` by the simulated 1F1B iteration of its packs
+    instead, in their pipeline order (``order``, :func:`pipeline_order`), every stage alike:
+    Hydraulis's product charges every slot at the heaviest pack, while 1F1B pays the heaviest
+    one once per stage and the warm-up and cool-down only at the packs that open and close the
+    pipeline (light ones under ``light-ends``), so the product picks too few packs when one long
+    document sets the heaviest (docs/BATCHING.md has the numbers).
     """
+    if objective not in COUNT_OBJECTIVES:
+        raise ValueError(f"--micro-batch-count-objective must be one of {COUNT_OBJECTIVES}, got {objective!r}")
     w = [float(x) for x in weights]
     n = len(w)
     if n == 0:
@@ -644,17 +655,26 @@ def choose_micro_batch_count(weights: Sequence[float], tokens: Sequence[int], pi
     P = int(pipeline_stages)
     lo = 1 if token_cap is None else max(1, math.ceil(sum(tokens) / float(token_cap) - 1e-9))
     best = None
+    from megatron_sparsebalance.pipeline.simulate import simulate_iteration, uniform_stages
+
     for v in range(lo, n + 1):
-        if best is not None and (max(w) + overhead) * (P - 1 + v) >= best[2]:
+        # Lower bounds of every larger v: the product's with the heaviest sample alone; a stage's
+        # own work (all packs, each with its fixed cost) for the simulation.
+        bound = (max(w) + overhead) * (P - 1 + v) if objective == "hydraulis" else sum(w) + v * overhead
+        if best is not None and bound >= best[2]:
             break
         try:
             parts = balanced_partition(w, v, tokens, token_cap)
         except PartitionError:
             continue
-        heaviest = max(sum(w[i] for i in part) for part in parts)
-        objective = (heaviest + overhead) * (P - 1 + v)
-        if best is None or objective < best[2] * (1 - 1e-12):
-            best = (v, parts, objective)
+        loads = [overhead + sum(w[i] for i in part) for part in parts]
+        if objective == "hydraulis":
+            score = max(loads) * (P - 1 + v)
+        else:
+            ordered = [loads[j] for j in pipeline_order(loads, order)]
+            score = simulate_iteration([uniform_stages(ordered, P)])
+        if best is None or score < best[2] * (1 - 1e-12):
+            best = (v, parts, score)
     if best is None:
         raise PartitionError(f"no packing of {n} samples fits the token cap {token_cap}")
     return best
@@ -757,6 +777,11 @@ class BatchingConfig:
     --micro-batch-tokens, instead of global batch / (micro-batch size x DP). Exact per-token loss
     needs --calculate-per-token-loss semantics (the schedule's normalization; docs/BATCHING.md)."""
 
+    micro_batch_count_objective: str = "hydraulis"
+    """With --variable-micro-batches, what v minimises: hydraulis, Hydraulis's
+    (heaviest + fixed cost) x (PP - 1 + v); simulated, the simulated 1F1B iteration of the packs in
+    their --micro-batch-order (balance/sab.py choose_micro_batch_count)."""
+
     micro_batch_tokens: Optional[int] = None
     """Most tokens one packed micro-batch may hold (activation memory); None: no cap. Must be at
     least --seq-length so any sample fits."""
@@ -784,6 +809,11 @@ class BatchingConfig:
                     "a sample of --seq-length tokens has to fit in one micro-batch")
         if not 0.0 <= self.sab_ema < 1.0:
             raise ValueError(f"--sab-ema must be in [0, 1), got {self.sab_ema}")
+        if self.micro_batch_count_objective not in COUNT_OBJECTIVES:
+            raise ValueError(f"--micro-batch-count-objective must be one of {COUNT_OBJECTIVES}, got "
+                             f"{self.micro_batch_count_objective!r}")
+        if self.micro_batch_count_objective != "hydraulis" and not self.variable_micro_batches:
+            raise ValueError("--micro-batch-count-objective chooses the count of --variable-micro-batches: give both")
         if self.variable_micro_batches and self.batching != "hydraulis":
             raise ValueError(f"--variable-micro-batches needs --batching hydraulis (it chooses the count), got "
                              f"--batching {self.batching}")
@@ -813,11 +843,13 @@ class SparsityAwareBatcher:
     def __init__(self, method: str, dp_size: int, num_micro_batches: int, latency_model=None,
                  estimator: Optional[SparsityEstimator] = None, k_base: Optional[int] = None,
                  micro_batch_tokens: Optional[int] = None, order: str = "light-ends", levels: str = "grouped",
-                 pipeline_stages: int = 1, variable_micro_batches: bool = False):
+                 pipeline_stages: int = 1, variable_micro_batches: bool = False,
+                 count_objective: str = "hydraulis"):
         if levels not in ("grouped", "nested"):
             raise ValueError(f"levels must be 'grouped' or 'nested', got {levels!r}")
         BatchingConfig(batching=method, micro_batch_tokens=micro_batch_tokens, micro_batch_order=order,
-                       variable_micro_batches=variable_micro_batches).validate()
+                       variable_micro_batches=variable_micro_batches,
+                       micro_batch_count_objective=count_objective).validate()
         if pipeline_stages < 1:
             raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pipeline_stages}")
         if dp_size < 1:
@@ -842,6 +874,7 @@ class SparsityAwareBatcher:
         self.levels = levels
         self.pipeline_stages = int(pipeline_stages)
         self.variable = bool(variable_micro_batches)
+        self.count_objective = count_objective
         self._cache: dict = {}
         self.last_solver_ms = 0.0
 
@@ -991,7 +1024,7 @@ class SparsityAwareBatcher:
             for items in groups:
                 w, t = [weights[i] for i in items], [lengths[i] for i in items]
                 if self.variable:
-                    parts = choose_micro_batch_count(w, t, P, overhead, cap)[1]
+                    parts = choose_micro_batch_count(w, t, P, overhead, cap, self.count_objective, self.order)[1]
                 else:
                     parts = balanced_partition(w, m, t, cap)
                 ranks.append([[items[i] for i in part] for part in parts])
