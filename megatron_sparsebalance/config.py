@@ -293,7 +293,12 @@ class SparseBalanceConfig:
             raise ValueError(f"the world size {world_size} is not divisible by --tensor-model-parallel-size x "
                              f"--pipeline-model-parallel-size = {model_parallel}")
         shape = self.model_shape()
-        self.pipeline_layer_split(shape)
+        if self.split.decoder_pipeline_split == "auto":  # chosen at start-up among the splits that exist
+            if par.pipeline_model_parallel_size > shape.num_layers:
+                raise ValueError(f"--decoder-pipeline-split auto: --num-layers {shape.num_layers} cannot fill "
+                                 f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size} stages")
+        else:
+            self.pipeline_layer_split(shape)
         dp = self.data_parallel_size(world_size)
         if tr.micro_batch_size < 1 or tr.global_batch_size < 1:
             raise ValueError("--micro-batch-size and --global-batch-size must be >= 1")
