@@ -105,3 +105,23 @@ def test_variable_micro_batches_needs_hydraulis():
     with pytest.raises(ValueError, match="--variable-micro-batches needs --batching hydraulis"):
         BatchingConfig(batching="sab", variable_micro_batches=True).validate()
     BatchingConfig(batching="hydraulis", variable_micro_batches=True).validate()
+
+
+def test_hydraulis_product_against_the_simulated_count():
+    # Costs 10, 3, 3, 3, 3, fixed cost 0.2, 4 stages. Hydraulis's product: v=1: 22.2 x 4 = 88.8;
+    # v=2 ({10} {3,3,3,3}): 12.2 x 5 = 61; v=3 ({10} {3,3} {3,3}): 10.2 x 6 = 61.2; v >= 4 cannot
+    # beat 10.2 x 7: it picks 2. In 1F1B the document's pack is paid once per stage and the light
+    # packs open and close the pipeline, so the simulated iteration is shorter with 4 packs.
+    w, t = [10, 3, 3, 3, 3], [1] * 5
+    v, parts, product = choose_micro_batch_count(w, t, 4, overhead=0.2)
+    assert (v, product) == (2, pytest.approx(61.0))
+    v_sim, _, sim_ms = choose_micro_batch_count(w, t, 4, overhead=0.2, objective="simulated")
+    assert v_sim == 4
+    from megatron_sparsebalance.balance.sab import pipeline_order
+    from megatron_sparsebalance.pipeline.simulate import simulate_iteration, uniform_stages
+
+    loads = [0.2 + sum(w[i] for i in p) for p in parts]
+    two = simulate_iteration([uniform_stages([loads[j] for j in pipeline_order(loads)], 4)])
+    assert sim_ms < two
+    with pytest.raises(ValueError, match="--micro-batch-count-objective must be one of"):
+        choose_micro_batch_count(w, t, 4, objective="fastest")
