@@ -268,11 +268,15 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
                       first_stage_layers=cfg.parallel.decoder_first_pipeline_num_layers,
                       last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers, recompute=cfg.recompute,
                       calculate_per_token_loss=cfg.batching.variable_micro_batches)
-    if cfg.dst.dst_growth == "critical-path":
+    if cfg.dst.dst_growth == "critical-path" or cfg.batching.micro_batch_count_objective == "simulated":
+        # Each stage's cost from the split (the last with the output layer), for DST's critical
+        # path and the simulated micro-batch count; the same on every rank.
         from megatron_sparsebalance.balance.split import stage_cost_model
 
-        trainer.stage_costs = stage_cost_model(shape, cfg.pipeline_layer_split(shape), cfg.sparse.moba_topk, latency,
-                                               cfg.sparse.moba_block_size, cfg.data.seq_length)
+        stage_costs = stage_cost_model(shape, cfg.pipeline_layer_split(shape), cfg.sparse.moba_topk, latency,
+                                       cfg.sparse.moba_block_size, cfg.data.seq_length)
+        trainer.stage_costs = stage_costs if cfg.dst.dst_growth == "critical-path" else None
+        batcher.stage_costs = stage_costs if cfg.batching.micro_batch_count_objective == "simulated" else None
     evaluator = Evaluator(cfg, trainer, batcher) if cfg.eval.enabled else None  # before a resume changes the batcher
     # Bytes are counted per stage; a replica is all its pipeline stages.
     pp_group = parallel_state.get_pipeline_model_parallel_group()

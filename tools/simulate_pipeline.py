@@ -156,6 +156,7 @@ def simulate_ablation_case(batches, latency, shape, pp: int, dp: int, mbs: int, 
                                        micro_batch_tokens=micro_batch_tokens, pipeline_stages=pp,
                                        variable_micro_batches=count != "fixed",
                                        count_objective="hydraulis" if count == "fixed" else count)
+        batcher.stage_costs = stages
         dst = DSTConfig(anchor=anchor, p=p, k_base=k_base, growth=growth)
         times, counts, budgets = [], [], []
         for lengths in batches:

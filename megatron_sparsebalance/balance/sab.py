@@ -628,7 +628,7 @@ def assign_replicas(weights: Sequence[float], dp: int, pipeline_stages: int, tok
 
 def choose_micro_batch_count(weights: Sequence[float], tokens: Sequence[int], pipeline_stages: int,
                              overhead: float = 0.0, token_cap: Optional[float] = None,
-                             objective: str = "hydraulis", order: str = "light-ends") -> tuple:
+                             objective: str = "hydraulis", order: str = "light-ends", stage_costs=None) -> tuple:
     """Hydraulis's micro-batch count of one replica: the ``v`` minimising
     ``(heaviest micro-batch + c) x (P - 1 + v)``, ``c`` the latency model's fixed cost per pack
     (``overhead``), each ``v`` packed by :func:`balanced_partition` under ``token_cap``.
@@ -644,7 +644,10 @@ def choose_micro_batch_count(weights: Sequence[float], tokens: Sequence[int], pi
     Hydraulis's product charges every slot at the heaviest pack, while 1F1B pays the heaviest
     one once per stage and the warm-up and cool-down only at the packs that open and close the
     pipeline (light ones under ``light-ends``), so the product picks too few packs when one long
-    document sets the heaviest (docs/BATCHING.md has the numbers).
+    document sets the heaviest (docs/BATCHING.md has the numbers). ``stage_costs``
+    (``(lengths, ms) -> [ms per stage]``, ``pipeline/simulate.py: StageCostModel``) prices each
+    stage apart in that simulation, so the last stage's output layer, paid per token whatever
+    the packing, is in it; ``tokens`` are then the samples' lengths.
     """
     if objective not in COUNT_OBJECTIVES:
         raise ValueError(f"--micro-batch-count-objective must be one of {COUNT_OBJECTIVES}, got {objective!r}")
@@ -671,8 +674,12 @@ def choose_micro_batch_count(weights: Sequence[float], tokens: Sequence[int], pi
         if objective == "hydraulis":
             score = max(loads) * (P - 1 + v)
         else:
-            ordered = [loads[j] for j in pipeline_order(loads, order)]
-            score = simulate_iteration([uniform_stages(ordered, P)])
+            run = pipeline_order(loads, order)
+            if stage_costs is None:
+                score = simulate_iteration([uniform_stages([loads[j] for j in run], P)])
+            else:
+                per = [stage_costs([tokens[i] for i in parts[j]], loads[j]) for j in run]
+                score = simulate_iteration([[[c[s] for c in per] for s in range(P)]])
         if best is None or score < best[2] * (1 - 1e-12):
             best = (v, parts, score)
     if best is None:
@@ -875,6 +882,9 @@ class SparsityAwareBatcher:
         self.pipeline_stages = int(pipeline_stages)
         self.variable = bool(variable_micro_batches)
         self.count_objective = count_objective
+        # Each stage's cost of a pack for the simulated count objective (pipeline/simulate.py:
+        # StageCostModel, from the pipeline split; set by the entry); None: stages alike.
+        self.stage_costs = None
         self._cache: dict = {}
         self.last_solver_ms = 0.0
 
@@ -1024,7 +1034,8 @@ class SparsityAwareBatcher:
             for items in groups:
                 w, t = [weights[i] for i in items], [lengths[i] for i in items]
                 if self.variable:
-                    parts = choose_micro_batch_count(w, t, P, overhead, cap, self.count_objective, self.order)[1]
+                    parts = choose_micro_batch_count(w, t, P, overhead, cap, self.count_objective, self.order,
+                                                     self.stage_costs)[1]
                 else:
                     parts = balanced_partition(w, m, t, cap)
                 ranks.append([[items[i] for i in part] for part in parts])
