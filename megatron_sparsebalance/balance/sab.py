@@ -23,6 +23,11 @@ rank computes the same plan):
 3. **Pipeline order** of each rank's micro-batches (``--micro-batch-order``): see
    :func:`pipeline_order`.
 
+``--batching hydraulis`` replaces step 2 with Hydraulis's pipeline-aware objectives (arXiv
+2412.07894): samples to the replica minimising the largest ``sum + (PP - 1) * max`` of predicted
+costs (:func:`assign_replicas`), then each replica's packs, their number chosen per global batch
+under ``--variable-micro-batches`` (:func:`choose_micro_batch_count`).
+
 The result is a :class:`BatchPlan`; :class:`SparsityAwareBatcher` holds the method, the latency
 model and the estimator, and its state (the estimator) is checkpointed with the sampler's.
 """
