@@ -70,8 +70,22 @@ CONFIGS = {  # name -> pretrain flags on top of the common ones
                     "--dst-budgets", "8", "12", "16", "20", "24", "28", "32", "40", "48", "56", "64"],
     "baseline-seed2": ["--batching", "none", "--dst-anchor", "none"],  # with --seed + 1: the loss noise
     "dense": ["--batching", "none", "--dst-anchor", "none", "--no-sparse-attention"],
+    # Issue 43's pieces (docs/BATCHING.md): the split chosen from predicted stage costs, Hydraulis's
+    # two levels with a per-replica micro-batch count, DST on the critical path; "+x" adds one to
+    # sab+dst, "all" has every one.
+    "baseline+split": ["--batching", "none", "--dst-anchor", "none", "--decoder-pipeline-split", "auto"],
+    "+split": ["--batching", "sab", "--dst-anchor", "mean", "--dst-p", "0.1", "--decoder-pipeline-split", "auto"],
+    "+hydraulis": ["--batching", "hydraulis", "--variable-micro-batches", "--dst-anchor", "mean", "--dst-p", "0.1"],
+    "+hydraulis-simulated-count": ["--batching", "hydraulis", "--variable-micro-batches",
+                                   "--micro-batch-count-objective", "simulated", "--dst-anchor", "mean", "--dst-p", "0.1"],
+    "+critical-path": ["--batching", "sab", "--dst-anchor", "mean", "--dst-p", "0.1", "--dst-growth", "critical-path"],
+    "all": ["--batching", "hydraulis", "--variable-micro-batches", "--micro-batch-count-objective", "simulated",
+            "--dst-anchor", "mean", "--dst-p", "0.1", "--dst-growth", "critical-path", "--decoder-pipeline-split", "auto"],
 }
 MAIN_CONFIGS = ["baseline", "lbb", "sab", "dst", "sab+dst", "dense"]
+BALANCE_CONFIGS = ["baseline", "lbb", "sab", "dst", "sab+dst", "+split", "+hydraulis", "+hydraulis-simulated-count",
+                   "+critical-path", "all", "baseline+split"]
+"""Issue 43's ablation (``--configs`` for ``--split even``, the rows of tools/simulate_pipeline.py --ablation)."""
 # layout -> (PP, first-stage layers, last-stage layers) for the 24 layers of Qwen2.5-0.5B. The
 # 4xH200 rounds measured the output layer and loss at about 8.6 layers' worth (stage shares of
 # pp4dp1, docs/BENCHMARKS.md), so the paper's 8-GPU layout gives the last stage one layer (7/8/8/1).
@@ -92,10 +106,14 @@ def parse_args(argv=None):
                         "instead of --model at random init (docs/REAL_MODEL.md)")
     p.add_argument("--data-prefix", default=None,
                    help="real data: <prefix>_<dist> (.bin/.idx of tools/build_mix.py) instead of mock data")
-    p.add_argument("--weights", default=None, help="label of the weights in each row (e.g. smollm2, random)")
+    p.add_argument("--weights", default=None,
+                   help="label of the weights in each row (e.g. smollm2); default: random without --checkpoint")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset (smoke runs)")
     p.add_argument("--first-stage-layers", type=int, default=None, help="override the layout's first-stage layers")
     p.add_argument("--last-stage-layers", type=int, default=None, help="override the layout's last-stage layers")
+    p.add_argument("--split", choices=["layout", "even"], default="layout",
+                   help="layout: the layout's first/last-stage layers; even: Megatron's even split (the fixed "
+                        "baseline of issue 43's rows, against which --decoder-pipeline-split auto is one of the pieces)")
     p.add_argument("--seq-length", type=int, default=65536)
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="default: --seq-length")
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -139,9 +157,11 @@ def pretrain_flags(args, dist: str, config: str) -> list:
     ]
     if args.num_layers:
         flags += ["--num-layers", str(args.num_layers)]
-    if pp > 1 and first is not None:
+    # --decoder-pipeline-split auto chooses both itself; --split even leaves Megatron's even split.
+    fixed = args.split == "layout" and "--decoder-pipeline-split" not in CONFIGS[config]
+    if fixed and pp > 1 and first is not None:
         flags += ["--decoder-first-pipeline-num-layers", str(first)]
-    if pp > 1 and last is not None:
+    if fixed and pp > 1 and last is not None:
         flags += ["--decoder-last-pipeline-num-layers", str(last)]
     if torch.cuda.is_available():
         flags += ["--bf16"]
@@ -167,7 +187,11 @@ class Recorder:
             for s in rec.spans:
                 key = (rec.dp_rank, rec.pp_rank)
                 stages.setdefault(key, {}).setdefault(s.micro_batch, {})[s.kind] = s.end_ms - s.start_ms
+        counts = {}
+        for rec in m.records:  # each DP replica's micro-batches (they differ under --variable-micro-batches)
+            counts[rec.dp_rank] = len(rec.predicted_ms)
         self.iterations.append(dict(
+            micro_batches=[counts[d] for d in sorted(counts)],
             iteration=row["iteration"], elapsed_ms=row["elapsed_ms"], pipeline_ms=m.iteration_ms,
             imbalance=m.imbalance, bubble=m.bubble, micro_batch_ms=m.micro_batch_ms, budgets=m.budgets,
             coverage=m.coverage, predicted_ms=m.predicted_ms, loss=row["loss"], dst_ms=row["dst_ms"],
@@ -197,9 +221,10 @@ def simulate_predicted(it: dict, pp: int, dp: int, stage_shares) -> float:
 
     if not it["predicted_ms"]:
         return float("nan")
-    m = len(it["predicted_ms"]) // dp
-    replicas = [[[c * share for c in it["predicted_ms"][d * m:(d + 1) * m]] for share in stage_shares]
-                for d in range(dp)]
+    counts = it.get("micro_batches") or [len(it["predicted_ms"]) // dp] * dp
+    starts = [sum(counts[:d]) for d in range(dp)]
+    replicas = [[[c * share for c in it["predicted_ms"][a:a + n]] for share in stage_shares]
+                for a, n in zip(starts, counts)]
     return simulate_iteration(replicas)
 
 
@@ -339,9 +364,11 @@ def run(args) -> dict:
             if dist.get_rank() != 0:
                 continue
             row = summarize(dist_name, args.layout, config, recorder.iterations, dp, args.checkpoint or args.model)
-            if args.weights:
-                row["weights"] = args.weights
-            row.update(run_s=wall, peak_mem_gib_per_rank=peaks)
+            # The split pretrain ran (--decoder-pipeline-split auto resolves it in cfg), each measured
+            # iteration's micro-batches per DP replica, and which weights.
+            row.update(run_s=wall, peak_mem_gib_per_rank=peaks, split=cfg.pipeline_layer_split(),
+                       micro_batches=[it["micro_batches"] for it in recorder.iterations],
+                       weights=args.weights or ("random" if not args.checkpoint else args.checkpoint))
             result["rows"].append(row)
             result["iterations"][f"{dist_name}/{config}"] = recorder.iterations
             if config in ("baseline", "sab+dst"):

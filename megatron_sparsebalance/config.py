@@ -24,6 +24,7 @@ from typing import Optional
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
 from megatron_sparsebalance.balance.dst import ANCHORS, DSTConfig
 from megatron_sparsebalance.balance.sab import BatchingConfig
+from megatron_sparsebalance.balance.split import SplitConfig
 from megatron_sparsebalance.data.datasets import DataConfig
 from megatron_sparsebalance.training.model import MODEL_PRESETS, ModelShape, RecomputeSettings
 from megatron_sparsebalance.training.outer_sync import DPCommConfig
@@ -131,7 +132,9 @@ class DSTFlags:
     """Smallest budget DST gives a straggler."""
     dst_growth: str = "bubble"
     """How far micro-batches below the anchor grow: bubble (only into time the simulated 1F1B
-    pipeline would idle) or anchor (up to the anchor, the paper's rule)."""
+    pipeline would idle), anchor (up to the anchor, the paper's rule) or critical-path (each stage its
+    own cost from the pipeline split, the last with the output layer: growth only into each stage's
+    idle time, a shrink kept only where it shortens the simulated iteration)."""
 
 
 @dataclass
@@ -197,7 +200,7 @@ GROUPS = {
     "model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "optim": OptimSettings,
     "data": DataConfig, "batching": BatchingConfig, "sparse": SparseAttentionConfig, "dst": DSTFlags,
     "latency": LatencyFlags, "checkpoint": CheckpointFlags, "logging": LoggingFlags, "dp_comm": DPCommConfig,
-    "eval": EvalFlags, "recompute": RecomputeSettings,
+    "eval": EvalFlags, "recompute": RecomputeSettings, "split": SplitConfig,
 }
 
 
@@ -217,6 +220,7 @@ class SparseBalanceConfig:
     dp_comm: DPCommConfig = field(default_factory=DPCommConfig)
     eval: EvalFlags = field(default_factory=EvalFlags)
     recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
+    split: SplitConfig = field(default_factory=SplitConfig)
 
     # ---- derived ---------------------------------------------------------------------------
 
@@ -281,6 +285,7 @@ class SparseBalanceConfig:
         self.dp_comm.validate(self.optim.use_distributed_optimizer)
         self.recompute.validate()
         par, tr = self.parallel, self.training
+        self.split.validate(par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
         if par.tensor_model_parallel_size != 1:
             raise ValueError("--tensor-model-parallel-size > 1 is not supported yet (use PP and DP); got "
                              f"{par.tensor_model_parallel_size}")
@@ -293,7 +298,12 @@ class SparseBalanceConfig:
             raise ValueError(f"the world size {world_size} is not divisible by --tensor-model-parallel-size x "
                              f"--pipeline-model-parallel-size = {model_parallel}")
         shape = self.model_shape()
-        self.pipeline_layer_split(shape)
+        if self.split.decoder_pipeline_split == "auto":  # chosen at start-up among the splits that exist
+            if par.pipeline_model_parallel_size > shape.num_layers:
+                raise ValueError(f"--decoder-pipeline-split auto: --num-layers {shape.num_layers} cannot fill "
+                                 f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size} stages")
+        else:
+            self.pipeline_layer_split(shape)
         dp = self.data_parallel_size(world_size)
         if tr.micro_batch_size < 1 or tr.global_batch_size < 1:
             raise ValueError("--micro-batch-size and --global-batch-size must be >= 1")

@@ -94,6 +94,24 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
     return model
 
 
+def _choose_pipeline_split(cfg: SparseBalanceConfig, shape, latency, lengths, is_logger: bool) -> None:
+    """--decoder-pipeline-split auto: set --decoder-first/last-pipeline-num-layers from the predicted
+    stage costs of the data's first global batches (the same on every rank: no communication)."""
+    from megatron_sparsebalance.balance.split import run_split
+
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if pp < 2:
+        return
+    choice = run_split(shape, pp, cfg.training.micro_batch_size, cfg.training.global_batch_size, lengths,
+                       cfg.sparse.moba_topk, latency, cfg.sparse.moba_block_size)
+    cfg.parallel.decoder_first_pipeline_num_layers, cfg.parallel.decoder_last_pipeline_num_layers = choice.first, choice.last
+    if is_logger:
+        print(f"--decoder-pipeline-split auto: {'/'.join(map(str, choice.split))} layers per stage "
+              f"({' '.join(choice.flags()) or 'even'}), predicted stage ms "
+              + " ".join(f"{t:.1f}" for t in choice.stage_ms)
+              + f" against the even split's " + " ".join(f"{t:.1f}" for t in choice.even_stage_ms), flush=True)
+
+
 def iteration_flops(cfg: SparseBalanceConfig, micro_batch_lengths, budgets) -> float:
     """FLOPs of one iteration (forward + backward), attention counted by the blocks computed.
 
@@ -236,14 +254,29 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
     shape = cfg.model_shape()
     latency = build_latency_model(cfg, device)
     dataset = build_dataset(cfg.data)
+    if cfg.split.decoder_pipeline_split == "auto":
+        _choose_pipeline_split(cfg, shape, latency, dataset.lengths, is_logger=rank == 0)
     batcher = SparsityAwareBatcher(cfg.batching.batching, dp, cfg.micro_batches_per_rank(world), latency_model=latency,
                                    k_base=cfg.sparse.moba_topk, micro_batch_tokens=cfg.batching.micro_batch_tokens,
-                                   order=cfg.batching.micro_batch_order)
+                                   order=cfg.batching.micro_batch_order,
+                                   pipeline_stages=cfg.parallel.pipeline_model_parallel_size,
+                                   variable_micro_batches=cfg.batching.variable_micro_batches,
+                                   count_objective=cfg.batching.micro_batch_count_objective)
     sampler = GlobalBatchSampler(dataset.lengths, cfg.training.global_batch_size, batcher, seed=cfg.data.seed)
     trainer = Trainer(shape, cfg.sparse, cfg.dst_config(), cfg.optim, max_sequence_length=cfg.data.seq_length,
                       bf16=cfg.training.bf16, latency_model=latency, dp_comm=cfg.dp_comm,
                       first_stage_layers=cfg.parallel.decoder_first_pipeline_num_layers,
-                      last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers, recompute=cfg.recompute)
+                      last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers, recompute=cfg.recompute,
+                      calculate_per_token_loss=cfg.batching.variable_micro_batches)
+    if cfg.dst.dst_growth == "critical-path" or cfg.batching.micro_batch_count_objective == "simulated":
+        # Each stage's cost from the split (the last with the output layer), for DST's critical
+        # path and the simulated micro-batch count; the same on every rank.
+        from megatron_sparsebalance.balance.split import stage_cost_model
+
+        stage_costs = stage_cost_model(shape, cfg.pipeline_layer_split(shape), cfg.sparse.moba_topk, latency,
+                                       cfg.sparse.moba_block_size, cfg.data.seq_length)
+        trainer.stage_costs = stage_costs if cfg.dst.dst_growth == "critical-path" else None
+        batcher.stage_costs = stage_costs if cfg.batching.micro_batch_count_objective == "simulated" else None
     evaluator = Evaluator(cfg, trainer, batcher) if cfg.eval.enabled else None  # before a resume changes the batcher
     # Bytes are counted per stage; a replica is all its pipeline stages.
     pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -317,12 +350,12 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
             t0 = time.perf_counter()
             plan = sampler.next_plan()
             sab_ms = (time.perf_counter() - t0) * 1e3
-            lengths = [[plan.micro_batch_lengths(r, j) for j in range(plan.num_micro_batches)] for r in range(dp)]
+            lengths = plan.rank_micro_batch_lengths()  # per rank: counts differ under --variable-micro-batches
             step = trainer.train_step(lengths, sampler.micro_batches(dataset, plan, dp_rank))
             elapsed_ms = (time.perf_counter() - t0) * 1e3
             m = step.metrics
             if m is not None and cfg.sparse.sparse_attention:  # dense layers report no budgets for SAB's estimator
-                per_rank = [m.budgets[r * plan.num_micro_batches:(r + 1) * plan.num_micro_batches] for r in range(dp)]
+                per_rank = plan.split_by_rank(m.budgets)
                 sampler.update(plan, per_rank)
             if step.skipped:
                 skipped += 1

@@ -129,6 +129,13 @@ def test_killed_run_keeps_the_metrics_of_its_iterations(tmp_path):
      "--recompute-modules must be core_attn and/or mlp, got .'layernorm'. .megatron-core's layernorm recompute needs"),
     (["--sparse-attn-impl", "fa4", "--deterministic-mode"], "--sparse-attn-impl fa4 is not deterministic"),
     (["--sparse-attn-impl", "fa4", "--moba-block-size", "64"], "--sparse-attn-impl fa4 needs --moba-block-size in"),
+    (["--variable-micro-batches"], "--variable-micro-batches needs --batching hydraulis"),
+    (["--batching", "hydraulis", "--micro-batch-count-objective", "simulated"],
+     "--micro-batch-count-objective chooses the count of --variable-micro-batches"),
+    (["--decoder-pipeline-split", "auto", "--decoder-last-pipeline-num-layers", "1"],
+     "--decoder-pipeline-split auto chooses --decoder-first/last-pipeline-num-layers itself"),
+    (["--decoder-pipeline-split", "uneven"], "--decoder-pipeline-split must be one of"),
+    (["--dst-growth", "critical"], "--dst-growth must be one of .*critical-path"),
 ])
 def test_bad_flags_name_the_flag(extra, match, capsys, monkeypatch):
     rc, err = pretrain_cases.refused_in_process(pretrain_cases.TINY + ["--train-iters", "1"] + extra, capsys, monkeypatch)

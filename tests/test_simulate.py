@@ -67,3 +67,41 @@ def test_stage_costs_flag_names_what_is_wrong(capsys):
         with pytest.raises(SystemExit) as exit_:
             main(["--gpus", "4", "--iters", "1", "--warmup", "0", *argv])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_flat_router_floor_by_hand():
+    """Flat scores: a query block with c candidates keeps min(k-1, c)/c of its mass. One sequence of
+    4 blocks (candidates 1, 2, 3): C(4) = 1, C(3) = (1 + 1 + 2/3)/3 = 0.889, C(2) = (1 + 1/2 + 1/3)/3
+    = 0.611. With p = 0.15 the layers keep k = 3 of a shrink below it; with p = 0.5, k = 2."""
+    from megatron_sparsebalance.pipeline.simulate import FlatRouterCoverage
+
+    assert FlatRouterCoverage(4, 0.15, 128).coverage([512], 3) == pytest.approx(8 / 9)
+    assert FlatRouterCoverage(4, 0.15, 128).budget([512]) == 3
+    assert FlatRouterCoverage(4, 0.5, 128).budget([512]) == 2
+    assert FlatRouterCoverage(4, 0.0, 128).budget([512]) == 4
+
+
+def test_ablation_rows_on_a_small_case():
+    """Issue 43's ablation on one PP=4 bimodal case: every row, the split takes layers off the
+    output layer's stage and lowers the fixed baseline's time, and the variable count stays
+    within the token cap's floor."""
+    import numpy as np
+
+    from megatron_sparsebalance.balance.latency import AnalyticLatencyModel
+    from megatron_sparsebalance.data.distributions import sample_lengths
+    from megatron_sparsebalance.training.model import MODEL_PRESETS
+    from tools.simulate_pipeline import ABLATION, simulate_ablation_case
+
+    shape = MODEL_PRESETS["qwen2.5-0.5b"]
+    latency = AnalyticLatencyModel(shape, 6, block_size=128, hardware="h200")
+    per_token = (AnalyticLatencyModel(shape, 6, block_size=128, hardware="h200", post_process=True).predict([65536], 32)
+                 - latency.predict([65536], 32)) / 65536
+    rng = np.random.default_rng(0)
+    batches = [sample_lengths("bimodal", 16, 65536, rng).tolist() for _ in range(3)]
+    res = simulate_ablation_case(batches, latency, shape, 4, 1, 2, 32, 0.1, 128, 131072, 6, per_token, 1)
+    assert set(res) == set(ABLATION)
+    assert res["baseline"]["split"] == [6, 6, 6, 6] and res["+split"]["split"][-1] < 6
+    assert res["baseline+split"]["iter_ms"] < res["baseline"]["iter_ms"]
+    assert all(c == [8] for c in res["sab+dst"]["micro_batches"])
+    assert all(1 <= c[0] <= 16 for c in res["all"]["micro_batches"])
+    assert res["dst"]["mean_budget"] != 32 and res["baseline"]["mean_budget"] == 32

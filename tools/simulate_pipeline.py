@@ -14,6 +14,15 @@ Two modes:
   is unconstrained by the coverage bound ``p`` (the router's scores do not exist in a simulation),
   so its rows are the ideal DST can reach for these costs.
 
+* ``--ablation``: issue 43's rows, each piece alone and together, on the paper's settings
+  (micro-batch 2, global batch 16, 64K cap, p = 0.1 under flat router scores, mean anchor), PP=4
+  and PP=2 x DP=2, bimodal and longtail, the analytic model and the profiled table; every stage
+  priced apart (its layers' share, the last with the output layer per token:
+  ``StageCostModel``), so the split matters as it does on the GPUs. Writes
+  ``benchmarks/results/simulate_balance_h200.json`` (``--out``).
+
+    python tools/simulate_pipeline.py --ablation --iters 12 --warmup 3 --micro-batch-tokens 65536 \\
+        --latency-table benchmarks/results/latency_table_h200.json --out benchmarks/results/simulate_balance_h200.json
     python tools/simulate_pipeline.py --replay benchmarks/results/pipeline_dst_h200x2_longtail.json
     python tools/simulate_pipeline.py --model qwen2.5-3b --pp 4 --tp 2 --gpus 32 64 128 256 512 1024 \\
         --dist bimodal --latency-table benchmarks/results/e2e/latency_table_h200.json --out sim.json
@@ -31,7 +40,9 @@ from megatron_sparsebalance.balance.dst import DSTConfig, PipelineShape, plan_bu
 from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, LatencyModel
 from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
 from megatron_sparsebalance.data.distributions import sample_lengths
-from megatron_sparsebalance.pipeline.simulate import StageCostModel, layer_fractions, simulate_iteration, uniform_stages
+from megatron_sparsebalance.balance.split import LayerCosts, choose_split
+from megatron_sparsebalance.pipeline.simulate import (FlatRouterCoverage, StageCostModel, layer_fractions,
+                                                       simulate_iteration, uniform_stages)
 from megatron_sparsebalance.training.model import MODEL_PRESETS
 from megatron_sparsebalance.training.step import pipeline_layer_split
 
@@ -96,6 +107,118 @@ def simulate_configs(batches, latency, pp: int, dp: int, micro_batches: int, k_b
             per_iter.append(simulate_iteration(replicas))
         times[name] = statistics.mean(per_iter[warmup:])
     return times
+
+
+# issue 43's ablation: name -> (batching, micro-batch count (fixed, or the objective choosing it),
+# DST anchor, DST growth, split). "+x" rows add one piece to sab+dst; "all" has every piece, with
+# the count objective that simulates better ("all-hydraulis-count": with Hydraulis's own).
+ABLATION = {
+    "baseline": ("none", "fixed", "none", "bubble", "even"),
+    "lbb": ("lbb", "fixed", "none", "bubble", "even"),
+    "sab": ("sab", "fixed", "none", "bubble", "even"),
+    "dst": ("none", "fixed", "mean", "bubble", "even"),
+    "sab+dst": ("sab", "fixed", "mean", "bubble", "even"),
+    "+split": ("sab", "fixed", "mean", "bubble", "auto"),
+    "+hydraulis": ("hydraulis", "hydraulis", "mean", "bubble", "even"),
+    "+hydraulis-fixed-count": ("hydraulis", "fixed", "mean", "bubble", "even"),
+    "+hydraulis-simulated-count": ("hydraulis", "simulated", "mean", "bubble", "even"),
+    "+critical-path": ("sab", "fixed", "mean", "critical-path", "even"),
+    "all": ("hydraulis", "simulated", "mean", "critical-path", "auto"),
+    "all-hydraulis-count": ("hydraulis", "hydraulis", "mean", "critical-path", "auto"),
+    "all-fixed-count": ("hydraulis", "fixed", "mean", "critical-path", "auto"),
+    "baseline+split": ("none", "fixed", "none", "bubble", "auto"),
+}
+LAYOUTS = {"pp4dp1": (4, 1), "pp2dp2": (2, 2)}
+
+
+def ablation_split(shape, pp: int, latency, table_layers: int, per_token_last: float, batches, mbs: int, k_base: int):
+    """The ``auto`` split for a layout: :func:`choose_split` over the baseline's micro-batches of the
+    simulated batches, with the same costs the simulation prices stages at."""
+    mb_lists = [b[i:i + mbs] for b in batches for i in range(0, len(b), mbs)]
+    layer = sum(latency.predict(mb, k_base) for mb in mb_lists) / table_layers
+    output = per_token_last * sum(map(sum, mb_lists))
+    return choose_split(shape.num_layers, pp, LayerCosts(layer, 0.0, output))
+
+
+def simulate_ablation_case(batches, latency, shape, pp: int, dp: int, mbs: int, k_base: int, p, block_size: int,
+                           micro_batch_tokens: int, table_layers: int, per_token_last: float, warmup: int,
+                           configs=ABLATION) -> dict:
+    """Each configuration of ``configs`` over the same global batches: mean simulated iteration ms
+    after ``warmup`` batches, its split, and the micro-batches per replica of every iteration."""
+    m = len(batches[0]) // (mbs * dp)
+    auto = ablation_split(shape, pp, latency, table_layers, per_token_last, batches, mbs, k_base)
+    even = [shape.num_layers // pp] * pp
+    floor = FlatRouterCoverage(k_base, p, block_size) if p is not None else None
+    out = {}
+    for name, (batching, count, anchor, growth, split_mode) in configs.items():
+        split = auto.split if split_mode == "auto" else even
+        stages = StageCostModel([n / table_layers for n in split], 1.0, per_token_last)
+        batcher = SparsityAwareBatcher(batching, dp, m, latency_model=latency, k_base=k_base,
+                                       micro_batch_tokens=micro_batch_tokens, pipeline_stages=pp,
+                                       variable_micro_batches=count != "fixed",
+                                       count_objective="hydraulis" if count == "fixed" else count)
+        batcher.stage_costs = stages
+        dst = DSTConfig(anchor=anchor, p=p, k_base=k_base, growth=growth)
+        times, counts, budgets = [], [], []
+        for lengths in batches:
+            plan = batcher.plan(lengths)
+            mb_lengths = plan.all_micro_batch_lengths()
+            shape_ = PipelineShape(pp, plan.micro_batch_counts, stages if growth == "critical-path" else None)
+            decision = plan_budgets(mb_lengths, latency, dst, shape_, floor if anchor != "none" else None)
+            kept = decision.expected_budgets or decision.budgets
+            batcher.update(plan, plan.split_by_rank(kept))  # SAB's estimator learns the budgets kept
+            per_stage = [stages(mb, t) for mb, t in zip(mb_lengths, decision.predicted_ms)]
+            per_rank = plan.split_by_rank(per_stage)
+            times.append(simulate_iteration([[[c[s] for c in rank] for s in range(pp)] for rank in per_rank]))
+            counts.append(list(plan.micro_batch_counts))
+            budgets.append(statistics.mean(kept))
+        out[name] = {"iter_ms": statistics.mean(times[warmup:]), "split": split, "micro_batches": counts[warmup:],
+                     "mean_budget": statistics.mean(budgets[warmup:])}
+    return out
+
+
+def ablation(args) -> list:
+    """Issue 43's rows for every layout, distribution and latency model (module doc)."""
+    shape = MODEL_PRESETS[args.model]
+    models = [("analytic", None)]
+    if args.latency_table:
+        models.append(("profiled", args.latency_table))
+    rows = []
+    for model_name, table in models:
+        for layout in args.layouts:
+            pp, dp = LAYOUTS[layout]
+            table_layers = shape.num_layers // pp
+            if table is None:
+                latency = AnalyticLatencyModel(shape, table_layers, block_size=args.moba_block_size, hardware="h200")
+                probe = AnalyticLatencyModel(shape, table_layers, block_size=args.moba_block_size, hardware="h200",
+                                             post_process=True)
+                per_token = (probe.predict([args.seq_length], args.moba_topk)
+                             - latency.predict([args.seq_length], args.moba_topk)) / args.seq_length
+                source = "analytic output-layer term"
+            else:
+                path = table if pp == 4 else table.replace(".json", f"_pp{pp}.json")
+                latency = LatencyModel.load(path)
+                table_layers = int(latency.metadata.get("layers_per_stage", table_layers))
+                with open(args.stage_costs_file) as f:
+                    fitted = json.load(f)["stage_costs"][f"{layout}/bimodal"]
+                per_token = fitted["per_token_last"] / fitted["scale"]
+                source = f"{args.stage_costs_file}:{layout}/bimodal (measured)"
+            for dist in args.dists:
+                rng = np.random.default_rng(args.seed)
+                batches = [sample_lengths(dist, args.global_batch_size, args.seq_length, rng).tolist()
+                           for _ in range(args.warmup + args.iters)]
+                res = simulate_ablation_case(batches, latency, shape, pp, dp, args.micro_batch_size, args.moba_topk,
+                                             None if args.dst_p < 0 else args.dst_p, args.moba_block_size,
+                                             args.micro_batch_tokens or args.micro_batch_size * args.seq_length,
+                                             table_layers, per_token, args.warmup)
+                base, base_split = res["baseline"]["iter_ms"], res["baseline+split"]["iter_ms"]
+                for name, r in res.items():
+                    rows.append(dict(model=model_name, latency=table or "analytic", output_cost=source, layout=layout,
+                                     pp=pp, dp=dp, dist=dist, config=name, speedup=base / r["iter_ms"],
+                                     speedup_over_baseline_split=base_split / r["iter_ms"], **r))
+                print(f"{model_name:8s} {layout} {dist:8s} " + "  ".join(
+                    f"{n} {base / r['iter_ms']:.3f}x" for n, r in res.items()), flush=True)
+    return rows
 
 
 def stage_costs_of(args):
@@ -163,6 +286,14 @@ def main(argv=None):
     p.add_argument("--first-stage-layers", type=int, default=None, help="with --stage-costs: layers of the first stage")
     p.add_argument("--last-stage-layers", type=int, default=None, help="with --stage-costs: layers of the last stage")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--ablation", action="store_true", help="issue 43's ablation rows (module doc)")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), help="with --ablation")
+    p.add_argument("--dists", nargs="+", default=["bimodal", "longtail"], help="with --ablation")
+    p.add_argument("--global-batch-size", type=int, default=16, help="with --ablation")
+    p.add_argument("--dst-p", type=float, default=0.1,
+                   help="with --ablation: the coverage bound, under flat router scores (random weights); < 0: none")
+    p.add_argument("--stage-costs-file", default="benchmarks/results/e2e_h200x4.json",
+                   help="with --ablation and --latency-table: the measured output-layer cost per token (stage_costs)")
     args = p.parse_args(argv)
     if (args.first_stage_layers is not None or args.last_stage_layers is not None) and not args.stage_costs:
         p.error("--first-stage-layers / --last-stage-layers go with --stage-costs (without it every stage costs the same)")
@@ -170,7 +301,9 @@ def main(argv=None):
         stage_costs = stage_costs_of(args)  # bad input stops here, before any simulation
     except ValueError as e:
         p.error(str(e))
-    if args.replay:
+    if args.ablation:
+        rows = ablation(args)
+    elif args.replay:
         rows = replay(args.replay)
         for r in rows:
             print(f"{r['file'].split('/')[-1]:45s} {r['anchor']:6s} measured {r['measured_ms']:8.1f} ms  "
@@ -187,7 +320,8 @@ def main(argv=None):
         rows = predict(args, latency, stage_costs)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"mode": "replay" if args.replay else "predict", "args": vars(args), "rows": rows}, f, indent=1)
+            mode = "ablation" if args.ablation else "replay" if args.replay else "predict"
+            json.dump({"mode": mode, "args": vars(args), "rows": rows}, f, indent=1)
     return rows
 
 

@@ -21,6 +21,13 @@ How far the others grow is ``--dst-growth``:
   ``k_min`` is too slow), the grown micro-batches add their time to every stage's busy time and
   the iteration gets longer than the fixed budget's. Under ``bubble`` growth only fills time
   the pipeline would idle, which is what the budget headroom is for.
+* ``critical-path``: the same simulation with each stage's own cost (``PipelineShape.stage_costs``:
+  its layers' share of the prediction, plus the output layer and loss per token on the last
+  stage, which no budget changes; the split of ``balance/split.py``). Growth goes only into each
+  stage's idle time, and a shrink is kept only as far as it shortens the simulated iteration: a
+  straggler whose shrink the critical stage (at PP=4 with a 152K vocabulary, the last) hides is
+  given its budget back, so no coverage is lost for nothing. Under ``bubble`` every stage costs
+  the same, so the last stage's idle time is overestimated and every shrink is kept.
 """
 from __future__ import annotations
 
@@ -30,13 +37,13 @@ import math
 import statistics
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from megatron_sparsebalance.balance.sab import DEFAULT_LENGTH_BINS
 from megatron_sparsebalance.pipeline.simulate import simulate_iteration, uniform_stages
 
 ANCHORS = ("none", "min", "mean", "max", "median")
-GROWTH_RULES = ("bubble", "anchor")
+GROWTH_RULES = ("bubble", "anchor", "critical-path")
 
 
 @dataclass
@@ -48,7 +55,7 @@ class DSTConfig:
     k_base: int = 32
     """--moba-topk: the fixed budget of the baseline."""
     growth: str = "bubble"
-    """--dst-growth: how far micro-batches below the anchor grow (bubble or anchor; module doc)."""
+    """--dst-growth: how far micro-batches below the anchor grow (bubble, anchor or critical-path; module doc)."""
 
     def validate(self) -> "DSTConfig":
         if self.anchor not in ANCHORS:
@@ -138,6 +145,9 @@ class PipelineShape:
     stages: int = 1
     replicas: Optional[tuple] = None
     """Micro-batches per DP replica, in the plan's order (None: all on one replica)."""
+    stage_costs: Optional[Callable] = field(default=None, compare=False)
+    """``(lengths, one-stage ms) -> [ms per stage]`` (``pipeline/simulate.py: StageCostModel``);
+    None: every stage costs the one-stage prediction."""
 
     def ranges(self, n: int) -> list:
         """``range`` of the plan's micro-batches (``n`` of them) that each DP replica runs."""
@@ -150,9 +160,15 @@ class PipelineShape:
     def split(self, values: Sequence[float]) -> list:
         return [[values[j] for j in r] for r in self.ranges(len(values))]
 
-    def iteration_ms(self, stage_ms: Sequence[float]) -> float:
-        """Simulated 1F1B iteration when micro-batch ``j`` costs ``stage_ms[j]`` on every stage."""
-        return simulate_iteration([uniform_stages(r, self.stages) for r in self.split(stage_ms) if r])
+    def iteration_ms(self, stage_ms: Sequence[float], micro_batches: Optional[Sequence] = None) -> float:
+        """Simulated 1F1B iteration when micro-batch ``j`` costs ``stage_ms[j]`` on one stage: on
+        every stage alike, or with :attr:`stage_costs` (then ``micro_batches``, their lengths, are
+        needed) each stage its own."""
+        if self.stage_costs is None:
+            return simulate_iteration([uniform_stages(r, self.stages) for r in self.split(stage_ms) if r])
+        per = [self.stage_costs(mb, t) for mb, t in zip(micro_batches, stage_ms)]
+        return simulate_iteration([[[per[j][s] for j in r] for s in range(self.stages)]
+                                   for r in self.ranges(len(stage_ms)) if len(r)])
 
 
 def _anchor(times: Sequence[float], anchor: str) -> float:
@@ -213,11 +229,15 @@ def _plan(micro_batches, model, config: DSTConfig, pipeline, floor, replica) -> 
             return k
         return min(config.k_base, max(k, floor.budget(mb)))
 
-    if config.growth == "bubble":  # its predictions are at the kept budgets already
+    if config.growth in ("bubble", "critical-path"):  # its predictions are at the kept budgets already
+        shape = pipeline or PipelineShape()
+        if config.growth == "bubble" and shape.stage_costs is not None:
+            shape = dataclasses.replace(shape, stage_costs=None)  # bubble: stages alike, as it always was
         budgets, predicted, iteration_ms = _grow_into_bubbles(micro_batches, model, config.k_base, budgets, target,
-                                                              pipeline or PipelineShape(), expected, replica)
+                                                              shape, expected, replica,
+                                                              restore=config.growth == "critical-path")
     kept = [expected(mb, k) for mb, k in zip(micro_batches, budgets)]
-    if config.growth != "bubble":
+    if config.growth not in ("bubble", "critical-path"):
         predicted, iteration_ms = [model.predict(mb, k) for mb, k in zip(micro_batches, kept)], None
     notes = [f"micro-batch {i}: even k_min={model.k_min} is predicted above the anchor"
              for i, (t, k) in enumerate(zip(predicted, budgets)) if k == model.k_min and t > target]
@@ -225,7 +245,7 @@ def _plan(micro_batches, model, config: DSTConfig, pipeline, floor, replica) -> 
 
 
 def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms: float,
-                       pipeline: PipelineShape, expected, only: Optional[int] = None) -> tuple:
+                       pipeline: PipelineShape, expected, only: Optional[int] = None, restore: bool = False) -> tuple:
     """Shrinks as ``asked`` (priced at what the layers are ``expected`` to keep); growth only as
     far as the simulated iteration stays as short as with the shrinks alone. Returns
     ``(budgets, predicted ms at what the layers are expected to keep, simulated iteration ms)``.
@@ -238,20 +258,25 @@ def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms
     equal budgets; then each, lightest first, grows further into whatever idle time its own
     stage slots still have. Every check simulates the one replica, and is cached; each grower's
     budget ladder is priced once.
+
+    ``restore`` (``critical-path``): the shrunk micro-batches are growers too, back toward
+    ``k_base`` on the same terms, so a shrink survives only as far as the iteration needs it.
+    Their rungs come after the growers': a straggler's restore competes for the idle time only
+    once the light micro-batches have taken what the shrinks freed.
     """
     budgets = [min(k, k_base) for k in asked]
     times = [model.predict(mb, expected(mb, k)) for mb, k in zip(micro_batches, budgets)]
     replicas = pipeline.ranges(len(times))
     if only is not None and not 0 <= only < len(replicas):
         raise ValueError(f"replica {only} is not one of the pipeline's {len(replicas)} DP replicas")
-    one = PipelineShape(pipeline.stages)
-    shrinks_ms = pipeline.iteration_ms(times)
+    one = PipelineShape(pipeline.stages, stage_costs=pipeline.stage_costs)
+    shrinks_ms = pipeline.iteration_ms(times, micro_batches)
     limit = shrinks_ms * (1 + 1e-9)
     growing = [r for i, r in enumerate(replicas) if only is None or i == only]
     # ladder[j]: (budget, ms) of the candidates above k_base that micro-batch j may grow to
     ladder = {j: [(c, model.predict(micro_batches[j], c)) for c in model.candidates if k_base < c <= asked[j]]
               for r in growing for j in r if asked[j] > k_base}
-    if not ladder:
+    if not ladder and not restore:
         return budgets, times, shrinks_ms
 
     seen = {}  # (replica, its growers' rungs) -> fits: the bisections revisit the same rungs
@@ -259,7 +284,8 @@ def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms
     def fits(step: dict, replica: range) -> bool:  # step: {micro-batch: ladder index}
         key = (replica.start, tuple(step.get(j, -1) for j in replica))
         if key not in seen:
-            seen[key] = one.iteration_ms([ladder[j][step[j]][1] if j in step else times[j] for j in replica]) <= limit
+            seen[key] = one.iteration_ms([ladder[j][step[j]][1] if j in step else times[j] for j in replica],
+                                         [micro_batches[j] for j in replica]) <= limit
         return seen[key]
 
     rung_ms = {j: [t for _, t in rungs] for j, rungs in ladder.items()}
@@ -293,6 +319,31 @@ def _grow_into_bubbles(micro_batches, model, k_base: int, asked: list, anchor_ms
                 step[j] = lo_i
         for j, i in step.items():
             budgets[j], times[j] = ladder[j][i]
+    if restore:
+        _restore_shrinks(micro_batches, model, k_base, asked, budgets, times, growing, one, limit, expected)
     # Growing one replica moves the iteration by at most the check's 1e-9 slack: no second
     # simulation of every replica for one rank's plan.
-    return budgets, times, pipeline.iteration_ms(times) if only is None else shrinks_ms
+    return budgets, times, pipeline.iteration_ms(times, micro_batches) if only is None else shrinks_ms
+
+
+def _restore_shrinks(micro_batches, model, k_base, asked, budgets, times, growing, one, limit, expected) -> None:
+    """Each shrunk micro-batch, lightest first (its budget back costs the least time; the
+    heaviest straggler, whose shrink shortens the iteration most, comes last), takes back the
+    highest budget up to ``k_base`` that keeps its replica's simulated iteration within
+    ``limit``; in place. A bisection over its candidates: the simulated time never falls when a
+    micro-batch costs more."""
+    for replica in growing:
+        shrunk = sorted((j for j in replica if asked[j] < k_base), key=lambda j: (times[j], j))
+        for j in shrunk:
+            rungs = [(c, model.predict(micro_batches[j], expected(micro_batches[j], c)))
+                     for c in model.candidates if budgets[j] < c <= k_base]
+            lo, hi = -1, len(rungs) - 1  # rungs[:lo + 1] fit
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                trial = [rungs[mid][1] if i == j else times[i] for i in replica]
+                if one.iteration_ms(trial, [micro_batches[i] for i in replica]) <= limit:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo >= 0:
+                budgets[j], times[j] = rungs[lo]

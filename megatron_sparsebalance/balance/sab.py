@@ -23,6 +23,11 @@ rank computes the same plan):
 3. **Pipeline order** of each rank's micro-batches (``--micro-batch-order``): see
    :func:`pipeline_order`.
 
+``--batching hydraulis`` replaces step 2 with Hydraulis's pipeline-aware objectives (arXiv
+2412.07894): samples to the replica minimising the largest ``sum + (PP - 1) * max`` of predicted
+costs (:func:`assign_replicas`), then each replica's packs, their number chosen per global batch
+under ``--variable-micro-batches`` (:func:`choose_micro_batch_count`).
+
 The result is a :class:`BatchPlan`; :class:`SparsityAwareBatcher` holds the method, the latency
 model and the estimator, and its state (the estimator) is checkpointed with the sampler's.
 """
@@ -38,7 +43,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-BATCHING_METHODS = ("sab", "lbb", "none")
+BATCHING_METHODS = ("sab", "lbb", "none", "hydraulis")
+COUNT_OBJECTIVES = ("hydraulis", "simulated")
 MICRO_BATCH_ORDERS = ("light-ends", "descending", "ascending", "as-planned")
 # Upper edges of the estimator's length bins (tokens): powers of two, because DST's budget choice
 # follows the attention cost, which changes shape with length on a log scale (quadratic while a
@@ -536,6 +542,157 @@ def pipeline_order(loads: Sequence[float], rule: str = "light-ends") -> list[int
 
 
 # --------------------------------------------------------------------------------------------
+# Hydraulis's pipeline-aware objectives (``--batching hydraulis``)
+
+
+def replica_pipeline_cost(costs: Sequence[float], pipeline_stages: int) -> float:
+    """Hydraulis's cost of the samples one DP replica runs: ``sum + (P - 1) * max``.
+
+    A replica's 1F1B iteration is its steady work (every micro-batch once per stage: the sum)
+    plus warm-up and cool-down, where ``P - 1`` stages wait on single micro-batches. Before the
+    replica's packing exists, its heaviest sample stands for its heaviest micro-batch: a long
+    document is one micro-batch's floor whatever is packed beside it. Plain SAB balances the sum
+    alone, so it can give one replica all the long documents' bubbles.
+    """
+    return float(sum(costs)) + (pipeline_stages - 1) * float(max(costs)) if len(costs) else 0.0
+
+
+def assign_replicas(weights: Sequence[float], dp: int, pipeline_stages: int, tokens: Optional[Sequence[int]] = None,
+                    token_cap: Optional[float] = None, min_count: int = 1, max_rounds: Optional[int] = None
+                    ) -> list[list[int]]:
+    """Samples to DP replicas minimising the largest :func:`replica_pipeline_cost`.
+
+    Greedy, heaviest first, each sample to the replica whose cost after taking it is smallest
+    (ties: lower replica), within ``token_cap`` tokens per replica and leaving enough samples for
+    every replica to reach ``min_count``; then moves and swaps out of the costliest replica while
+    they lower the pair's larger cost. Deterministic. Returns each replica's items, ascending.
+    """
+    w = [float(x) for x in weights]
+    n = len(w)
+    t = [0.0] * n if tokens is None else [float(x) for x in tokens]
+    cap = math.inf if token_cap is None else float(token_cap)
+    P = int(pipeline_stages)
+    if dp < 1 or n < dp * min_count:
+        raise PartitionError(f"{n} samples cannot give {dp} replicas {min_count} each")
+    order = sorted(range(n), key=lambda i: (-w[i], i))
+    parts: list[list[int]] = [[] for _ in range(dp)]
+    total, top, toks = [0.0] * dp, [0.0] * dp, [0.0] * dp
+    need = dp * min_count
+    for step, i in enumerate(order):
+        restrict = n - step <= need
+        best = None
+        for r in range(dp):
+            if toks[r] + t[i] > cap or (restrict and len(parts[r]) >= min_count):
+                continue
+            cost = total[r] + w[i] + (P - 1) * max(top[r], w[i])
+            if best is None or cost < best[0]:
+                best = (cost, r)
+        if best is None:
+            raise PartitionError(f"no replica can take a sample of {int(t[i])} tokens (cap {cap:g} per replica)")
+        r = best[1]
+        if len(parts[r]) < min_count:
+            need -= 1
+        parts[r].append(i)
+        total[r] += w[i]
+        top[r] = max(top[r], w[i])
+        toks[r] += t[i]
+
+    def cost_of(items):
+        return replica_pipeline_cost([w[i] for i in items], P)
+
+    for _ in range(max_rounds or 4 * n + 16):
+        costs = [cost_of(p) for p in parts]
+        a = max(range(dp), key=lambda r: (costs[r], -r))
+        best = None  # (new pair max, other replica, item out of a, item into a or None)
+        for b in range(dp):
+            if b == a:
+                continue
+            ta, tb = sum(t[i] for i in parts[a]), sum(t[i] for i in parts[b])
+            for i in parts[a]:
+                rest_a = [x for x in parts[a] if x != i]
+                if len(rest_a) >= min_count and tb + t[i] <= cap:
+                    new = max(cost_of(rest_a), cost_of(parts[b] + [i]))
+                    if best is None or new < best[0]:
+                        best = (new, b, i, None)
+                for j in parts[b]:
+                    if w[j] >= w[i] or ta - t[i] + t[j] > cap or tb - t[j] + t[i] > cap:
+                        continue  # a swap that does not lighten a cannot lower its cost
+                    new = max(cost_of(rest_a + [j]), cost_of([x for x in parts[b] if x != j] + [i]))
+                    if best is None or new < best[0]:
+                        best = (new, b, i, j)
+        if best is None or best[0] >= costs[a] * (1 - 1e-12):
+            break
+        _, b, i, j = best
+        parts[a].remove(i)
+        parts[b].append(i)
+        if j is not None:
+            parts[b].remove(j)
+            parts[a].append(j)
+    return [sorted(p) for p in parts]
+
+
+def choose_micro_batch_count(weights: Sequence[float], tokens: Sequence[int], pipeline_stages: int,
+                             overhead: float = 0.0, token_cap: Optional[float] = None,
+                             objective: str = "hydraulis", order: str = "light-ends", stage_costs=None) -> tuple:
+    """Hydraulis's micro-batch count of one replica: the ``v`` minimising
+    ``(heaviest micro-batch + c) x (P - 1 + v)``, ``c`` the latency model's fixed cost per pack
+    (``overhead``), each ``v`` packed by :func:`balanced_partition` under ``token_cap``.
+
+    ``(max + c) x (P - 1 + v)`` is the 1F1B iteration when every micro-batch costs the heaviest
+    one: more micro-batches shorten the warm-up and cool-down (the heaviest gets lighter) but pay
+    one more fixed cost and one more slot each. ``v`` runs from the fewest packs the token cap
+    allows to one sample per pack, and stops once even a pack of the heaviest sample alone
+    could not win. Ties: the smaller ``v``. Returns ``(v, parts, objective)``.
+
+    ``objective="simulated"`` scores each ``v`` by the simulated 1F1B iteration of its packs
+    instead, in their pipeline order (``order``, :func:`pipeline_order`), every stage alike:
+    Hydraulis's product charges every slot at the heaviest pack, while 1F1B pays the heaviest
+    one once per stage and the warm-up and cool-down only at the packs that open and close the
+    pipeline (light ones under ``light-ends``), so the product picks too few packs when one long
+    document sets the heaviest (docs/BATCHING.md has the numbers). ``stage_costs``
+    (``(lengths, ms) -> [ms per stage]``, ``pipeline/simulate.py: StageCostModel``) prices each
+    stage apart in that simulation, so the last stage's output layer, paid per token whatever
+    the packing, is in it; ``tokens`` are then the samples' lengths.
+    """
+    if objective not in COUNT_OBJECTIVES:
+        raise ValueError(f"--micro-batch-count-objective must be one of {COUNT_OBJECTIVES}, got {objective!r}")
+    w = [float(x) for x in weights]
+    n = len(w)
+    if n == 0:
+        raise PartitionError("a replica needs at least one sample")
+    P = int(pipeline_stages)
+    lo = 1 if token_cap is None else max(1, math.ceil(sum(tokens) / float(token_cap) - 1e-9))
+    best = None
+    from megatron_sparsebalance.pipeline.simulate import simulate_iteration, uniform_stages
+
+    for v in range(lo, n + 1):
+        # Lower bounds of every larger v: the product's with the heaviest sample alone; a stage's
+        # own work (all packs, each with its fixed cost) for the simulation.
+        bound = (max(w) + overhead) * (P - 1 + v) if objective == "hydraulis" else sum(w) + v * overhead
+        if best is not None and bound >= best[2]:
+            break
+        try:
+            parts = balanced_partition(w, v, tokens, token_cap)
+        except PartitionError:
+            continue
+        loads = [overhead + sum(w[i] for i in part) for part in parts]
+        if objective == "hydraulis":
+            score = max(loads) * (P - 1 + v)
+        else:
+            run = pipeline_order(loads, order)
+            if stage_costs is None:
+                score = simulate_iteration([uniform_stages([loads[j] for j in run], P)])
+            else:
+                per = [stage_costs([tokens[i] for i in parts[j]], loads[j]) for j in run]
+                score = simulate_iteration([[[c[s] for c in per] for s in range(P)]])
+        if best is None or score < best[2] * (1 - 1e-12):
+            best = (v, parts, score)
+    if best is None:
+        raise PartitionError(f"no packing of {n} samples fits the token cap {token_cap}")
+    return best
+
+
+# --------------------------------------------------------------------------------------------
 # Plans
 
 
@@ -565,15 +722,38 @@ class BatchPlan:
         return len(self.micro_batches)
 
     @property
+    def micro_batch_counts(self) -> tuple:
+        """Micro-batches of each DP rank (equal unless ``--variable-micro-batches``)."""
+        return tuple(len(rank) for rank in self.micro_batches)
+
+    @property
     def num_micro_batches(self) -> int:
-        return len(self.micro_batches[0])
+        """Micro-batches per rank; a ValueError when the ranks' counts differ (use
+        :attr:`micro_batch_counts`): a caller assuming one count would cut the plan wrong."""
+        counts = set(self.micro_batch_counts)
+        if len(counts) != 1:
+            raise ValueError(f"this plan has a different number of micro-batches per rank {self.micro_batch_counts} "
+                             "(--variable-micro-batches): use micro_batch_counts")
+        return counts.pop()
 
     def micro_batch_lengths(self, rank: int, j: int) -> list[int]:
         return [self.length_of[i] for i in self.micro_batches[rank][j]]
 
+    def rank_micro_batch_lengths(self) -> list[list[list[int]]]:
+        """``[dp_rank][micro_batch] -> lengths`` (what the trainer plans a global batch from)."""
+        return [[self.micro_batch_lengths(r, j) for j in range(len(rank))] for r, rank in enumerate(self.micro_batches)]
+
     def all_micro_batch_lengths(self) -> list[list[int]]:
         """Lengths of every micro-batch of the global batch, rank by rank (what DST plans over)."""
-        return [self.micro_batch_lengths(r, j) for r in range(self.dp_size) for j in range(self.num_micro_batches)]
+        return [mb for rank in self.rank_micro_batch_lengths() for mb in rank]
+
+    def split_by_rank(self, values: Sequence) -> list[list]:
+        """Cut a flat per-micro-batch list (rank by rank, as :meth:`all_micro_batch_lengths`) per rank."""
+        out, i = [], 0
+        for c in self.micro_batch_counts:
+            out.append(list(values[i:i + c]))
+            i += c
+        return out
 
     def max_over_mean(self) -> float:
         """Imbalance of the predicted micro-batch loads over all ranks (max / mean)."""
@@ -599,7 +779,20 @@ class BatchingConfig:
 
     batching: str = "sab"
     """How a global batch is split: sab (balanced predicted latency at the estimated budgets),
-    lbb (balanced tokens, length-based batching) or none (arrival order, equal sample counts)."""
+    lbb (balanced tokens, length-based batching), none (arrival order, equal sample counts) or
+    hydraulis (Hydraulis's pipeline-aware objectives: samples to the DP replica minimising the
+    largest sum + (PP - 1) x max of predicted costs, then each replica's micro-batches)."""
+
+    variable_micro_batches: bool = False
+    """With --batching hydraulis: each DP replica packs its samples into the number of micro-batches v
+    (per iteration) minimising (heaviest micro-batch's predicted ms) x (PP - 1 + v) under
+    --micro-batch-tokens, instead of global batch / (micro-batch size x DP). Exact per-token loss
+    needs --calculate-per-token-loss semantics (the schedule's normalization; docs/BATCHING.md)."""
+
+    micro_batch_count_objective: str = "hydraulis"
+    """With --variable-micro-batches, what v minimises: hydraulis, Hydraulis's
+    (heaviest + fixed cost) x (PP - 1 + v); simulated, the simulated 1F1B iteration of the packs in
+    their --micro-batch-order (balance/sab.py choose_micro_batch_count)."""
 
     micro_batch_tokens: Optional[int] = None
     """Most tokens one packed micro-batch may hold (activation memory); None: no cap. Must be at
@@ -628,6 +821,14 @@ class BatchingConfig:
                     "a sample of --seq-length tokens has to fit in one micro-batch")
         if not 0.0 <= self.sab_ema < 1.0:
             raise ValueError(f"--sab-ema must be in [0, 1), got {self.sab_ema}")
+        if self.micro_batch_count_objective not in COUNT_OBJECTIVES:
+            raise ValueError(f"--micro-batch-count-objective must be one of {COUNT_OBJECTIVES}, got "
+                             f"{self.micro_batch_count_objective!r}")
+        if self.micro_batch_count_objective != "hydraulis" and not self.variable_micro_batches:
+            raise ValueError("--micro-batch-count-objective chooses the count of --variable-micro-batches: give both")
+        if self.variable_micro_batches and self.batching != "hydraulis":
+            raise ValueError(f"--variable-micro-batches needs --batching hydraulis (it chooses the count), got "
+                             f"--batching {self.batching}")
         return self
 
 
@@ -645,24 +846,34 @@ class SparsityAwareBatcher:
         micro_batch_tokens: token cap per micro-batch (``--micro-batch-tokens``).
         order: ``--micro-batch-order``.
         levels: how the DP level is solved, ``grouped`` or ``nested`` (see :meth:`_two_level`).
+        pipeline_stages: PP, for ``hydraulis``'s objectives (:func:`replica_pipeline_cost`,
+            :func:`choose_micro_batch_count`).
+        variable_micro_batches: ``hydraulis`` chooses each replica's count per global batch
+            (``--variable-micro-batches``); ``num_micro_batches`` is then unused by the plan.
     """
 
     def __init__(self, method: str, dp_size: int, num_micro_batches: int, latency_model=None,
                  estimator: Optional[SparsityEstimator] = None, k_base: Optional[int] = None,
-                 micro_batch_tokens: Optional[int] = None, order: str = "light-ends", levels: str = "grouped"):
+                 micro_batch_tokens: Optional[int] = None, order: str = "light-ends", levels: str = "grouped",
+                 pipeline_stages: int = 1, variable_micro_batches: bool = False,
+                 count_objective: str = "hydraulis"):
         if levels not in ("grouped", "nested"):
             raise ValueError(f"levels must be 'grouped' or 'nested', got {levels!r}")
-        BatchingConfig(batching=method, micro_batch_tokens=micro_batch_tokens, micro_batch_order=order).validate()
+        BatchingConfig(batching=method, micro_batch_tokens=micro_batch_tokens, micro_batch_order=order,
+                       variable_micro_batches=variable_micro_batches,
+                       micro_batch_count_objective=count_objective).validate()
+        if pipeline_stages < 1:
+            raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pipeline_stages}")
         if dp_size < 1:
             raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
         if num_micro_batches < 1:
             raise ValueError(f"micro-batches per rank must be >= 1, got {num_micro_batches}")
-        if method == "sab" and latency_model is None:
-            raise ValueError("--batching sab needs a latency model (--latency-table, or the analytic model)")
+        if method in ("sab", "hydraulis") and latency_model is None:
+            raise ValueError(f"--batching {method} needs a latency model (--latency-table, or the analytic model)")
         if estimator is None and k_base is not None:
             estimator = SparsityEstimator(k_base)
-        if method == "sab" and estimator is None:
-            raise ValueError("--batching sab needs a sparsity estimator (or k_base, --moba-topk)")
+        if method in ("sab", "hydraulis") and estimator is None:
+            raise ValueError(f"--batching {method} needs a sparsity estimator (or k_base, --moba-topk)")
         self.method = method
         self.dp_size = int(dp_size)
         self.num_micro_batches = int(num_micro_batches)
@@ -673,6 +884,12 @@ class SparsityAwareBatcher:
         self.token_cap = micro_batch_tokens
         self.order = order
         self.levels = levels
+        self.pipeline_stages = int(pipeline_stages)
+        self.variable = bool(variable_micro_batches)
+        self.count_objective = count_objective
+        # Each stage's cost of a pack for the simulated count objective (pipeline/simulate.py:
+        # StageCostModel, from the pipeline split; set by the entry); None: stages alike.
+        self.stage_costs = None
         self._cache: dict = {}
         self.last_solver_ms = 0.0
 
@@ -720,7 +937,7 @@ class SparsityAwareBatcher:
         ids = list(range(n)) if sample_ids is None else [int(i) for i in sample_ids]
         if len(ids) != n or len(set(ids)) != n:
             raise ValueError("sample_ids must be distinct, one per length")
-        dp, m = self.dp_size, self.num_micro_batches
+        dp, m = self.dp_size, (1 if self.variable else self.num_micro_batches)
         if n < dp * m:
             raise ValueError(
                 f"--global-batch-size ({n} samples) must be >= data-parallel size x micro-batches per rank "
@@ -738,7 +955,7 @@ class SparsityAwareBatcher:
         if self.model is not None:
             k_for = ks if ks is not None else [1] * n
             cost = [self.sample_cost(L, k) for L, k in zip(lengths, k_for)]
-        weights = cost if self.method == "sab" else [float(L) for L in lengths]
+        weights = cost if self.method in ("sab", "hydraulis") else [float(L) for L in lengths]
 
         t0 = time.perf_counter()
         if self.method == "none":
@@ -751,6 +968,8 @@ class SparsityAwareBatcher:
                         f"({sum(lengths[i] for i in chunk)} tokens) into {m} runs of at most --micro-batch-tokens "
                         f"{cap} tokens; use --batching sab or lbb, or raise --micro-batch-tokens")
                 ranks.append([[chunk[i] for i in mb] for mb in parts])
+        elif self.method == "hydraulis":
+            ranks = self._hydraulis(weights, lengths)
         else:
             ranks = self._two_level(weights, lengths)
         self.last_solver_ms = (time.perf_counter() - t0) * 1e3
@@ -804,6 +1023,32 @@ class SparsityAwareBatcher:
             raise ValueError(
                 f"cannot pack the global batch into {dp} x {m} micro-batches of at most --micro-batch-tokens "
                 f"{cap} tokens ({e}); raise --micro-batch-tokens or the number of micro-batches") from None
+
+    def _hydraulis(self, weights: list[float], lengths: list[int]) -> list[list[list[int]]]:
+        """Hydraulis's two stages: samples to replicas (:func:`assign_replicas`), then each
+        replica's micro-batches: ``num_micro_batches`` balanced ones, or with
+        ``variable_micro_batches`` the count :func:`choose_micro_batch_count` picks."""
+        dp, m, cap, P = self.dp_size, self.num_micro_batches, self.token_cap, self.pipeline_stages
+        try:
+            if self.variable:
+                groups = assign_replicas(weights, dp, P, lengths, None, 1)
+            else:
+                groups = assign_replicas(weights, dp, P, lengths, None if cap is None else cap * m, m)
+            overhead = self.pack_overhead()
+            ranks = []
+            for items in groups:
+                w, t = [weights[i] for i in items], [lengths[i] for i in items]
+                if self.variable:
+                    parts = choose_micro_batch_count(w, t, P, overhead, cap, self.count_objective, self.order,
+                                                     self.stage_costs)[1]
+                else:
+                    parts = balanced_partition(w, m, t, cap)
+                ranks.append([[items[i] for i in part] for part in parts])
+            return ranks
+        except PartitionError as e:
+            raise ValueError(
+                f"--batching hydraulis cannot pack the global batch over {dp} replicas under --micro-batch-tokens "
+                f"{cap} ({e}); raise --micro-batch-tokens or the number of micro-batches") from None
 
     def update(self, plan: BatchPlan, budgets: Sequence[Sequence[float]]) -> None:
         """Feed DST's budgets of a planned global batch to the estimator (``budgets[r][j]``)."""

@@ -156,3 +156,43 @@ class StageCostModel:
         if not x[:, 1].any() or coef[1] < 0:
             coef = np.array([np.linalg.lstsq(x[:, :1], y, rcond=None)[0][0], 0.0])
         return cls(layer_fractions, float(coef[0]), float(coef[1]))
+
+
+class FlatRouterCoverage:
+    """What the coverage bound ``p`` keeps of a shrink when the router's scores are flat (random
+    weights: every earlier block equally likely), for simulations with ``--dst-p``.
+
+    With flat scores a query block with ``c`` candidates keeps ``min(k - 1, c) / c`` of its mass
+    at budget ``k`` (the diagonal is always kept and is no candidate; ``ops/router.py:
+    coverage_curve``), so a pack's coverage ``C(k)`` is that mean over its query blocks that
+    have candidates, and a layer keeps the smallest ``k`` with ``C(k_base) - C(k) <= p``
+    (``coverage_bounded_budget``). Duck-types DST's :class:`CoverageFloor` (``budget(lengths)``):
+    the floor a run learns from its layers, known here in closed form.
+    """
+
+    def __init__(self, k_base: int, p: float, block_size: int):
+        self.k_base, self.p, self.block_size = int(k_base), float(p), int(block_size)
+        self._cache: dict = {}
+
+    def coverage(self, lengths, k: int) -> float:
+        total, rows = 0.0, 0
+        for n in lengths:
+            blocks = -(-int(n) // self.block_size)
+            for c in range(1, blocks):  # query block c + 1 has c earlier blocks
+                total += min(k - 1, c) / c
+                rows += 1
+        return total / rows if rows else 1.0
+
+    def budget(self, lengths) -> int:
+        key = tuple(sorted(int(n) for n in lengths))
+        if key not in self._cache:
+            full = self.coverage(key, self.k_base)
+            lo, hi = 1, self.k_base  # coverage is non-decreasing in k: the first k within p
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if full - self.coverage(key, mid) <= self.p + 1e-7:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            self._cache[key] = lo
+        return self._cache[key]

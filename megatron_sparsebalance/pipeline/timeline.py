@@ -123,11 +123,16 @@ def gather_iteration_metrics(record: StageRecord, num_micro_batches: int) -> Ite
     records = list(unique.values())
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     dp = parallel_state.get_data_parallel_world_size()
-    mb_ms = [[0.0] * num_micro_batches for _ in range(dp)]
-    predicted = [[0.0] * num_micro_batches for _ in range(dp)]
+    # Each DP rank's own count (``num_micro_batches`` is this rank's): under
+    # --variable-micro-batches replicas run different numbers of micro-batches.
+    counts = [num_micro_batches] * dp
+    for r in records:
+        counts[r.dp_rank] = len(r.predicted_ms)
+    mb_ms = [[0.0] * counts[d] for d in range(dp)]
+    predicted = [[0.0] * counts[d] for d in range(dp)]
     have_prediction = True
-    budget_sum = [[0.0] * num_micro_batches for _ in range(dp)]
-    coverage_sum = [[0.0] * num_micro_batches for _ in range(dp)]
+    budget_sum = [[0.0] * counts[d] for d in range(dp)]
+    coverage_sum = [[0.0] * counts[d] for d in range(dp)]
     busy = [0.0] * pp
     iteration_ms = 0.0
     for r in records:
@@ -135,7 +140,7 @@ def gather_iteration_metrics(record: StageRecord, num_micro_batches: int) -> Ite
             mb_ms[r.dp_rank][s.micro_batch] += s.end_ms - s.start_ms
             busy[r.pp_rank] += (s.end_ms - s.start_ms) / dp
             iteration_ms = max(iteration_ms, s.end_ms)
-        for mb in range(num_micro_batches):
+        for mb in range(counts[r.dp_rank]):
             budget_sum[r.dp_rank][mb] += r.budgets.get(mb, 0.0) / pp
             coverage_sum[r.dp_rank][mb] += r.coverage.get(mb, 0.0) / pp
             if r.predicted_ms.get(mb) is None:

@@ -288,7 +288,7 @@ class Evaluator:
         try:
             with torch.no_grad():
                 for plan in self.plans:
-                    lengths = [[plan.micro_batch_lengths(r, j) for j in range(plan.num_micro_batches)] for r in range(dp)]
+                    lengths = plan.rank_micro_batch_lengths()
                     pipeline = pipeline_plans(lengths, self.trainer.shape.hidden_size, self.dst)[dp_rank]
                     batches = self.sampler.micro_batches(self.dataset, plan, dp_rank)
                     reports = forward_backward_sparsebalance(

@@ -46,6 +46,7 @@ def pipeline_plans(
     pipeline_stages: int = 1,
     coverage_floor: Optional[CoverageFloor] = None,
     dp_rank: Optional[int] = None,
+    stage_costs=None,
 ) -> list[PipelinePlan]:
     """Plans of every DP rank for one global batch, computed by every rank from the same inputs (no
     communication): each rank's own plan is the one that rank computes for itself.
@@ -58,6 +59,8 @@ def pipeline_plans(
         dp_rank: the rank asking. Only its own replica's micro-batches grow into bubbles (the
             growth that matters to it, whose cost does not grow with DP); the other ranks' plans keep
             their shrinks. Default: every replica's.
+        stage_costs: each stage's cost of a micro-batch (``--dst-growth critical-path``;
+            ``pipeline/simulate.py: StageCostModel``); None: stages alike.
     """
     flat = [mb for rank in micro_batch_lengths for mb in rank]
     if dst.anchor == "none" and latency_model is None:
@@ -65,7 +68,7 @@ def pipeline_plans(
     else:
         if latency_model is None:
             raise ValueError(f"--dst-anchor {dst.anchor} needs a latency model (--latency-table or the analytic model)")
-        shape = PipelineShape(pipeline_stages, tuple(len(rank) for rank in micro_batch_lengths))
+        shape = PipelineShape(pipeline_stages, tuple(len(rank) for rank in micro_batch_lengths), stage_costs)
         decision = plan_budgets(flat, latency_model, dst, shape, coverage_floor, dp_rank)
         budgets, predicted = decision.budgets, decision.predicted_ms
     plans, i = [], 0

@@ -94,6 +94,7 @@ class Trainer:
         first_stage_layers: Optional[int] = None,
         last_stage_layers: Optional[int] = None,
         recompute: Optional[RecomputeSettings] = None,
+        calculate_per_token_loss: bool = False,
     ):
         self.shape, self.sparse, self.dst = shape, sparse.validate(), dst.validate()
         optim.validate()
@@ -103,11 +104,19 @@ class Trainer:
         self.coverage_floor = CoverageFloor() if dst.anchor != "none" and dst.p is not None else None
         # Every DP rank's plan of the current global batch; only this rank's own grows into bubbles.
         self._plans: list = []
+        # Each stage's cost of a micro-batch, for --dst-growth critical-path (set by the entry from
+        # the pipeline split: balance/split.py stage_cost_model); None: DST prices stages alike.
+        self.stage_costs = None
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.config = transformer_config(shape, pipeline_parallel_size=pp, tensor_parallel_size=tp, bf16=bf16,
                                          num_layers=num_layers, first_stage_layers=first_stage_layers,
                                          last_stage_layers=last_stage_layers, recompute=recompute)
+        # megatron-core's per-token normalization: each micro-batch's loss sum is divided by the
+        # loss tokens of the whole global batch (all micro-batches, all DP ranks) in
+        # finalize_model_grads, so the step is the same whatever the number of micro-batches, the
+        # only normalization exact under --variable-micro-batches. Set before DDP reads it.
+        self.config.calculate_per_token_loss = calculate_per_token_loss
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         model = build_gpt_model(shape, sparse, self.config, max_sequence_length, **stage_flags()).to(device)
         if bf16:
@@ -155,7 +164,7 @@ class Trainer:
         dp_rank = parallel_state.get_data_parallel_rank()
         self._plans = pipeline_plans(micro_batch_lengths, self.shape.hidden_size, self.dst, self.latency_model,
                                      parallel_state.get_pipeline_model_parallel_world_size(), self.coverage_floor,
-                                     dp_rank)
+                                     dp_rank, self.stage_costs)
         return self._plans[dp_rank]
 
     def train_step(self, micro_batch_lengths, batches, measure: bool = True) -> StepResult:

@@ -1,0 +1,51 @@
+"""The automatic pipeline split (balance/split.py) on cases worked by hand."""
+import pytest
+
+from megatron_sparsebalance.balance.split import LayerCosts, choose_split, resolve_split_flags, stage_costs_from_model
+from megatron_sparsebalance.training.model import MODEL_PRESETS
+from megatron_sparsebalance.training.step import pipeline_layer_split
+
+
+def test_output_layer_worth_five_layers_moves_three_layers_off_the_last_stage():
+    # 24 layers of 1 ms, output layer 5 ms, PP=4. Even 6/6/6/6: the last stage 11 ms. Total 29 ms,
+    # so no stage can be under 7.25; with the last stage at <= 2 layers (<= 7 ms) the other three
+    # would need 22 layers in <= 7 each: impossible, so 8 ms is the optimum. --decoder-last 3
+    # gives 7/7/7/3 = 7, 7, 7, 8 with one flag (6/8/8/2 also reaches 8, with two).
+    choice = choose_split(24, 4, LayerCosts(layer_ms=1.0, output_ms=5.0))
+    assert (choice.first, choice.last) == (None, 3)
+    assert choice.split == [7, 7, 7, 3] == pipeline_layer_split(24, 4, None, 3)
+    assert choice.stage_ms == [7.0, 7.0, 7.0, 8.0]
+    assert choice.even_max_ms == 11.0 and choice.max_ms < choice.even_max_ms
+    assert choice.flags() == ["--decoder-last-pipeline-num-layers", "3"]
+
+
+def test_both_ends_when_one_flag_cannot_split_evenly():
+    # 8 layers, output 3, PP=4: the last stage alone with 1 layer leaves 7 layers for 3 stages
+    # (not even). Optimum 4 (last stage >= 1 layer + 3): 3/2/2/1 and 1/3/3/1 both reach it; the
+    # tie goes to the split nearer the even share, 3/2/2/1.
+    choice = choose_split(8, 4, LayerCosts(layer_ms=1.0, output_ms=3.0))
+    assert (choice.first, choice.last, choice.split) == (3, 1, [3, 2, 2, 1])
+    assert max(choice.stage_ms) == 4.0 and choice.even_max_ms == 5.0
+
+
+def test_balanced_costs_keep_the_even_split():
+    choice = choose_split(24, 4, LayerCosts(layer_ms=1.0, embedding_ms=0.1, output_ms=0.1))
+    assert (choice.first, choice.last, choice.split) == (None, None, [6, 6, 6, 6])
+    assert choice.flags() == []
+
+
+def test_costs_from_the_analytic_model_put_fewer_layers_on_the_last_stage():
+    shape = MODEL_PRESETS["qwen2.5-0.5b"]
+    costs = stage_costs_from_model(shape, [[16384, 2048], [65536]], 32)
+    assert costs.output_ms > 2 * costs.layer_ms > 0 and costs.embedding_ms < costs.layer_ms
+    choice = choose_split(24, 4, costs)
+    assert choice.split[-1] < 6 and choice.max_ms < choice.even_max_ms
+
+
+def test_auto_refuses_a_hand_split():
+    with pytest.raises(ValueError, match="--decoder-pipeline-split auto"):
+        resolve_split_flags("auto", 24, 4, None, 2, lambda: LayerCosts(1.0))
+    with pytest.raises(ValueError, match="--decoder-pipeline-split must be one of"):
+        resolve_split_flags("uneven", 24, 4, None, None, lambda: LayerCosts(1.0))
+    assert resolve_split_flags("even", 24, 4, 7, 1, None) == (7, 1)
+    assert resolve_split_flags("auto", 24, 4, None, None, lambda: LayerCosts(1.0, output_ms=5.0)) == (None, 3)
