@@ -20,10 +20,12 @@ import dataclasses
 import json
 import math
 import os
+import random
 import signal
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -39,7 +41,13 @@ from megatron_sparsebalance.config import SparseBalanceConfig, build_parser, con
 from megatron_sparsebalance.data.datasets import build_dataset
 from megatron_sparsebalance.data.sampler import GlobalBatchSampler
 from megatron_sparsebalance.ops.implementations import resolve_impl
-from megatron_sparsebalance.training.checkpointing import latest_checkpoint, load_checkpoint, load_rank_file, save_checkpoint
+from megatron_sparsebalance.training.checkpointing import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_rank_file,
+    missing_tracker_warning,
+    save_checkpoint,
+)
 from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
 from megatron_sparsebalance.training.dist import init_distributed
 from megatron_sparsebalance.training.evaluate import Evaluator
@@ -97,7 +105,8 @@ def iteration_flops(cfg: SparseBalanceConfig, micro_batch_lengths, budgets) -> f
     s = cfg.model_shape()
     H, d, nq, ng, F = s.hidden_size, s.kv_channels, s.num_attention_heads, s.num_query_groups, s.ffn_hidden_size
     B = cfg.sparse.moba_block_size
-    linear_per_layer = H * (nq + 2 * ng) * d + nq * d * H + 3 * H * F
+    mlp_matrices = 3 if s.swiglu else 2  # gate, up, down / up, down
+    linear_per_layer = H * (nq + 2 * ng) * d + nq * d * H + mlp_matrices * H * F
     tokens = sum(sum(mb) for mb in micro_batch_lengths)
     dense = 6 * tokens * (s.num_layers * linear_per_layer + H * s.vocab_size)
     attention = 0.0
@@ -163,7 +172,9 @@ class Metrics:
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {r['iteration']:8d}/{total:8d} |"
             f" consumed samples: {r['consumed_samples']:12d} |"
             f" elapsed time per iteration (ms): {r['elapsed_ms']:.1f} |"
-            f" throughput per GPU (TFLOP/s/GPU): {r['tflops_per_gpu']:.3g} |"
+            # Megatron-LM prints the throughput only with --log-throughput.
+            + (f" throughput per GPU (TFLOP/s/GPU): {r['tflops_per_gpu']:.3g} |" if self.cfg.logging.log_throughput
+               else "") +
             f" learning rate: {r['lr']:.6E} |"
             f" global batch size: {self.cfg.training.global_batch_size:5d} |"
             f" lm loss: {r['loss']:.6E} |"
@@ -220,22 +231,29 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
         raise ValueError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)")
     enable_cpu_megatron()
     init_distributed(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
-                     cfg.parallel.distributed_backend, seed=cfg.data.seed)
+                     cfg.parallel.distributed_backend, seed=cfg.data.seed,
+                     timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    # --seed seeds every generator a run may draw from, as Megatron-LM's _set_random_seed does.
+    random.seed(cfg.data.seed)
+    np.random.seed(cfg.data.seed)
     torch.manual_seed(cfg.data.seed)
     rank, dp_rank = dist.get_rank(), parallel_state.get_data_parallel_rank()
     dp = parallel_state.get_data_parallel_world_size()
     shape = cfg.model_shape()
     latency = build_latency_model(cfg, device)
-    dataset = build_dataset(cfg.data)
+    dataset = build_dataset(cfg.data, shape.vocab_size)
     batcher = SparsityAwareBatcher(cfg.batching.batching, dp, cfg.micro_batches_per_rank(world), latency_model=latency,
                                    k_base=cfg.sparse.moba_topk, micro_batch_tokens=cfg.batching.micro_batch_tokens,
                                    order=cfg.batching.micro_batch_order)
     sampler = GlobalBatchSampler(dataset.lengths, cfg.training.global_batch_size, batcher, seed=cfg.data.seed)
+    first_stage_layers, last_stage_layers = cfg.end_stage_layers(shape)
     trainer = Trainer(shape, cfg.sparse, cfg.dst_config(), cfg.optim, max_sequence_length=cfg.data.seq_length,
                       bf16=cfg.training.bf16, latency_model=latency, dp_comm=cfg.dp_comm,
-                      first_stage_layers=cfg.parallel.decoder_first_pipeline_num_layers,
-                      last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers, recompute=cfg.recompute)
+                      first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                      recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
+                      calculate_per_token_loss=cfg.training.calculate_per_token_loss,
+                      use_transformer_engine=cfg.megatron_lm.transformer_impl == "transformer_engine")
     evaluator = Evaluator(cfg, trainer, batcher) if cfg.eval.enabled else None  # before a resume changes the batcher
     # Bytes are counted per stage; a replica is all its pipeline stages.
     pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -246,6 +264,8 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
     start = 0
     ck = cfg.checkpoint
     resume = latest_checkpoint(ck.load) if ck.load else None
+    if ck.load and resume is None and rank == 0:
+        print(f"WARNING: {missing_tracker_warning(ck.load)}", file=sys.stderr, flush=True)
     if resume is not None:
         common = load_checkpoint(resume, trainer.model, trainer.optimizer, optimizer_state=ck.load_optim)
         start = int(common["iteration"])
@@ -274,6 +294,9 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
             trainer.outer.load_state_dict(outer_state)
 
     log_dir = cfg.logging.log_dir or ck.save or cfg.logging.tensorboard_dir
+    if rank == 0:
+        for warning in cfg.warnings():
+            print(f"WARNING: {warning}", file=sys.stderr, flush=True)
     if rank == 0 and log_dir:
         cfg.write_json(os.path.join(log_dir, "config.json"))
     if rank == 0:
