@@ -20,12 +20,10 @@ import dataclasses
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -49,7 +47,7 @@ from megatron_sparsebalance.training.checkpointing import (
     save_checkpoint,
 )
 from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
-from megatron_sparsebalance.training.dist import init_distributed
+from megatron_sparsebalance.training.dist import init_distributed, seed_everything
 from megatron_sparsebalance.training.evaluate import Evaluator
 from megatron_sparsebalance.training.manual_gc import ManualGC
 from megatron_sparsebalance.training.trainer import Trainer
@@ -234,10 +232,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
                      cfg.parallel.distributed_backend, seed=cfg.data.seed,
                      timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    # --seed seeds every generator a run may draw from, as Megatron-LM's _set_random_seed does.
-    random.seed(cfg.data.seed)
-    np.random.seed(cfg.data.seed)
-    torch.manual_seed(cfg.data.seed)
+    seed_everything(cfg.data.seed)
     rank, dp_rank = dist.get_rank(), parallel_state.get_data_parallel_rank()
     dp = parallel_state.get_data_parallel_world_size()
     shape = cfg.model_shape()

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -56,6 +58,14 @@ def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator and torch's, as Megatron-LM's ``--seed``
+    does (its ``_set_random_seed``); the GPU's RNG tracker is seeded by :func:`init_distributed`."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def destroy_distributed() -> None:
