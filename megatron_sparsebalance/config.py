@@ -375,6 +375,12 @@ class MegatronLMFlags:
     the mask, in fp32, with or without this flag."""
     attention_softmax_in_fp32: bool = False
     """Accepted for Megatron-LM scripts: the sparse attention kernels always compute the softmax in fp32."""
+    reset_position_ids: bool = False
+    """Accepted for Megatron-LM scripts: every sample of a THD pack starts at position 0 already, with
+    or without this flag."""
+    reset_attention_mask: bool = False
+    """Accepted for Megatron-LM scripts: attention never crosses the samples of a THD pack (per-sample
+    cu_seqlens), with or without this flag."""
 
     def validate(self) -> "MegatronLMFlags":
         if self.transformer_impl not in TRANSFORMER_IMPLS:
