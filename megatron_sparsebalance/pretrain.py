@@ -79,6 +79,7 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
         # it was profiled on is not part of the match.
         for key in ("pre_process", "post_process"):
             expect.pop(key)
+        expect["model_shape"] = _shape_as_the_table_records_it(shape, cfg.latency.latency_table)
         model = LatencyModel.load(cfg.latency.latency_table, expect=expect, force=cfg.latency.latency_table_force)
     else:
         hardware = cfg.latency.latency_hardware
@@ -90,6 +91,18 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
     model.candidates = tuple(sorted(set(cfg.dst.dst_budgets or model.candidates) | {cfg.sparse.moba_topk}))
     model.k_min = max(model.k_min, cfg.dst.dst_k_min)
     return model
+
+
+def _shape_as_the_table_records_it(shape, table_path: str) -> dict:
+    """The run's shape in the form of the table's record: tables profiled before ModelShape had its
+    later fields (normalization, swiglu, ...) match a shape whose later fields hold their defaults."""
+    try:
+        with open(table_path) as f:
+            recorded = json.load(f).get("metadata", {}).get("model_shape") or {}
+    except (OSError, ValueError, AttributeError):
+        recorded = {}
+    full = dataclasses.asdict(shape)
+    return {**shape.record(), **{k: full[k] for k in recorded if k in full}}
 
 
 def iteration_flops(cfg: SparseBalanceConfig, micro_batch_lengths, budgets) -> float:

@@ -294,3 +294,14 @@ def test_converter_flags_round_trip_into_pretrain(shape):
     flags = megatron_flags(shape).split()
     cfg = parse_config(flags + ["--mock-data"])
     assert cfg.validate(1).model_shape() == shape
+
+
+def test_latency_tables_profiled_before_the_later_shape_fields_still_match():
+    from megatron_sparsebalance.pretrain import _shape_as_the_table_records_it
+
+    table = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "e2e", "latency_table_h200_3b.json")
+    recorded = json.load(open(table))["metadata"]["model_shape"]
+    assert "swiglu" not in recorded  # written before ModelShape had its later fields
+    assert _shape_as_the_table_records_it(MODEL_PRESETS["qwen2.5-3b"], table) == recorded
+    gelu = dataclasses.replace(MODEL_PRESETS["qwen2.5-3b"], swiglu=False)
+    assert _shape_as_the_table_records_it(gelu, table) != recorded  # another MLP is another table
