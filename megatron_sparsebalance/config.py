@@ -523,7 +523,6 @@ class SparseBalanceConfig:
         if self.optim.lr_decay_iters is None:
             self.optim.lr_decay_iters = self.training.train_iters
         self.optim.validate()
-        self._validate_device_flags()
         if self.data.mock_data and self.data.mock_vocab_size is None:
             self.data.mock_vocab_size = min(MOCK_VOCAB_SIZE, self.model_shape().vocab_size)
         self.data.validate()
@@ -532,6 +531,7 @@ class SparseBalanceConfig:
         self.dst_config().validate()
         self.dp_comm.validate(self.optim.use_distributed_optimizer)
         self.recompute.validate()
+        self._validate_device_flags()
         par, tr = self.parallel, self.training
         if par.tensor_model_parallel_size != 1:
             raise ValueError("--tensor-model-parallel-size > 1 is not supported yet (use PP and DP); got "

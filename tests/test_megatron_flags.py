@@ -17,6 +17,7 @@ from megatron_sparsebalance.training.model import MODEL_PRESETS, ModelShape
 from tests import megatron_flags_cases as cases
 from tests import pretrain_cases
 from tests.distributed import run_workers
+from tests.test_data import tokenizer_dir  # noqa: F401  (a fixture: a tiny local Hugging Face tokenizer)
 
 # What Megatron-LM builds for the flags a script leaves out (megatron/training/arguments.py and
 # TransformerConfig of megatron-core 0.19).
@@ -305,3 +306,19 @@ def test_latency_tables_profiled_before_the_later_shape_fields_still_match():
     assert _shape_as_the_table_records_it(MODEL_PRESETS["qwen2.5-3b"], table) == recorded
     gelu = dataclasses.replace(MODEL_PRESETS["qwen2.5-3b"], swiglu=False)
     assert _shape_as_the_table_records_it(gelu, table) != recorded  # another MLP is another table
+
+
+def test_hugging_face_tokenizer_gives_the_vocabulary_and_the_eod(tokenizer_dir, tmp_path):  # noqa: F811
+    from megatron_sparsebalance.data.datasets import eod_id
+
+    path, vocab = tokenizer_dir
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--attention-dropout", "0",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", path, "--data-path", str(data),
+            "--seq-length", "1024", "--moba-topk", "4", "--moba-block-size", "64"]
+    cfg = parse_config(argv).validate(1)
+    assert cfg.model_shape().vocab_size == 128 >= len(vocab)  # Megatron-LM pads the tokenizer's size to 128
+    assert eod_id(cfg.data) == vocab["</s>"]
+    with pytest.raises(ValueError, match="NullTokenizer reads no --tokenizer-model"):
+        parse_config([a if a != "HuggingFaceTokenizer" else "NullTokenizer" for a in argv]).validate(1)

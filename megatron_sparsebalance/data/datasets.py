@@ -477,7 +477,7 @@ def build_validation_dataset(cfg: DataConfig, num_samples: int, vocab_size: Opti
         full = _file_dataset(cfg.data_path, cfg)
         return _with_eod_mask(SplitDataset(full, *split_ranges(len(full), cfg.split)[1]), cfg, vocab_size)
     if not cfg.mock_data:
-        raise ValueError("evaluation needs validation data: --valid-data-path, --split with --data-path, or --mock-data")
+        raise ValueError("evaluation needs validation data: --split with --data-path, --valid-data-path, or --mock-data")
     return _with_eod_mask(MockDataset(num_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content,
                                       cfg.mock_vocab(), VALIDATION_SEED, cfg.mock_retrieval_depth, split="validation",
                                       retrieval_records=cfg.mock_retrieval_records), cfg, vocab_size)
