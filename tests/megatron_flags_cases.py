@@ -56,10 +56,13 @@ def write_documents(prefix: str, count: int = 100, seed: int = 0) -> None:
 
 
 def run_flag_list(argv, out_path):
-    """One rank of ``pretrain`` with ``argv``; records the seed --seed set and the logged rows."""
+    """One rank of ``pretrain`` with ``argv``; records the seed --seed set and the logged rows.
+    Then, in the same processes (spawning costs more than the check), the two ranks as DP=2:
+    :func:`overlap_grad_reduce_results`."""
     import random
 
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     from megatron_sparsebalance import pretrain as entry
     from megatron_sparsebalance.config import parse_config
@@ -77,13 +80,17 @@ def run_flag_list(argv, out_path):
         rows = entry.pretrain(parse_config(argv))
     finally:
         entry.seed_everything = real_seed
-    if dist.get_rank() == dist.get_world_size() - 1:
+    last_stage = dist.get_rank() == dist.get_world_size() - 1
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1)
+    overlap = overlap_grad_reduce_results()
+    if last_stage:
         with open(out_path, "w") as f:
-            json.dump({"rows": rows, "seeded": seeded}, f)
+            json.dump({"rows": rows, "seeded": seeded, "overlap": overlap}, f)
 
 
-def overlap_grad_reduce_matches(out_path):
-    """Two steps at DP=2 with and without --overlap-grad-reduce: the same losses and gradient norms."""
+def overlap_grad_reduce_results():
+    """Two steps of each DP rank without and with --overlap-grad-reduce: ``[[(loss, grad norm)] x 2] x 2``."""
     import torch
     import torch.distributed as dist
 
@@ -105,6 +112,4 @@ def overlap_grad_reduce_matches(out_path):
         batches = [pack_sequences([torch.randint(1, 500, (n,), generator=g)], [torch.ones(n)]) for n in (100, 150)]
         steps = [trainer.train_step([[[100], [150]]] * 2, batches) for _ in range(2)]
         results.append([(s.loss, float(s.grad_norm)) for s in steps])
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+    return results
