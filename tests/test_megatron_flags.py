@@ -317,3 +317,30 @@ def test_hugging_face_tokenizer_gives_the_vocabulary_and_the_eod(tokenizer_dir, 
     assert eod_id(cfg.data) == vocab["</s>"]
     with pytest.raises(ValueError, match="NullTokenizer reads no --tokenizer-model"):
         parse_config([a if a != "HuggingFaceTokenizer" else "NullTokenizer" for a in argv]).validate(1)
+
+
+def test_distributed_timeout_minutes_reaches_init_process_group(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_sparsebalance.training import dist as msb_dist
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init_process_group(backend, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(var, "")  # recorded, so what init_distributed sets is undone afterwards
+        monkeypatch.delenv(var)
+    with pytest.raises(Stop):
+        msb_dist.init_distributed(backend="gloo", timeout_minutes=parse_config(
+            ["--distributed-timeout-minutes", "7"]).parallel.distributed_timeout_minutes)
+    assert seen["timeout"] == datetime.timedelta(minutes=7)
