@@ -671,6 +671,10 @@ NEGATED_HELP = {
 }
 
 
+# Paths Megatron-LM takes as a list (a weighted blend of data sets).
+BLENDABLE_PATHS = ("data_path", "valid_data_path")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -713,6 +717,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 item = (typing.get_args(typ) or (int,))[0]  # bare ``tuple`` fields hold ints
                 group.add_argument(_flag(f.name), dest=dest, type=item, nargs="+", default=default, help=help_text,
                                    metavar="N" if item is int else item.__name__.upper())
+            elif f.name in BLENDABLE_PATHS:
+                # Megatron-LM's nargs: a weighted blend (--data-path 0.3 a 0.7 b) parses, and is
+                # refused by name in validation instead of as argparse's "unrecognized arguments".
+                group.add_argument(_flag(f.name), dest=dest, type=typ, nargs="+", default=default, help=help_text,
+                                   metavar="PATH")
             else:
                 group.add_argument(_flag(f.name), dest=dest, type=typ, default=default, help=help_text,
                                    metavar=typ.__name__.upper())
@@ -731,7 +740,12 @@ def config_from_args(args: argparse.Namespace) -> SparseBalanceConfig:
     for group_name, cls in GROUPS.items():
         values = {f.name: getattr(args, f"{group_name}.{f.name}") for f in dataclasses.fields(cls)}
         for k, v in values.items():
-            if isinstance(v, list):
+            if isinstance(v, list) and k in BLENDABLE_PATHS:
+                if len(v) > 1:
+                    raise ValueError(f"{_flag(k)} takes one path here (a .jsonl file or a .bin/.idx prefix); "
+                                     f"Megatron-LM's weighted blend of several ({' '.join(v)}) is not supported")
+                values[k] = v[0]
+            elif isinstance(v, list):
                 values[k] = tuple(v)
         groups[group_name] = cls(**values)
     return SparseBalanceConfig(**groups)

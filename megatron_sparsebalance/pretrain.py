@@ -390,8 +390,9 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    cfg = config_from_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
     try:
+        cfg = config_from_args(args)
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as exc:
         # Every rank sees the same flags and fails here, before any process group: nobody hangs.

@@ -98,6 +98,7 @@ REFUSED = [
     (["--max-position-embeddings", "512"], r"--max-position-embeddings \(512\) must be >= --seq-length \(1024\)"),
     (["--split", "a,b"], r"--split must be up to three non-negative weights"),
     (["--mock-vocab-size", "100000"], r"--mock-vocab-size \(100000\) must be <= the model's vocabulary"),
+    (["--data-path", "0.3", "a", "0.7", "b"], r"--data-path takes one path here .*weighted blend of several"),
     (["--account-for-embedding-in-pipeline-split", "--decoder-first-pipeline-num-layers", "1"],
      r"--account-for-embedding/loss-in-pipeline-split and --decoder-first/last-pipeline-num-layers"),
 ]
