@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # torch==2.13.0 is a CPU wheel on the CPU machines; an unpinned torch drags GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
-DEPS := "megatron-core==0.16.1" triton pybind11 numpy ninja pytest pytest-timeout psutil transformers tokenizers tensorboard matplotlib
+DEPS := "megatron-core==0.16.1" triton pybind11 numpy ninja pytest pytest-timeout psutil transformers tokenizers tensorboard matplotlib gguf accelerate
 NATIVE_SRC := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 # A test that hangs fails after 15 minutes, with every thread's stack, instead of using up CI's time.
 PYTEST_CPU := -m "not gpu and not multigpu" --timeout=900
@@ -36,6 +36,7 @@ test: install
 # wheels on PYTHONPATH). Builds the extension in place with the CUDA kernels.
 test-gpu:
 	MSB_CUDA=1 MAX_JOBS=$${MAX_JOBS:-16} $(PYTHON) setup.py -q build_ext --inplace
+	$(PYTHON) -c "from megatron_sparsebalance.compat import MEGATRON_CORE_VERSION, HAVE_MEGATRON_TRAINING as t; print(f'make test-gpu: megatron-core {MEGATRON_CORE_VERSION}' + (' with megatron.training' if t else ''))"
 	$(PYTHON) -m pytest -q -m "gpu" tests
 
 bench-attention:

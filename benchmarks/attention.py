@@ -1,8 +1,15 @@
 """Block-sparse attention, forward+backward, side by side on one GPU.
 
-Ours (``cuda``, ``triton``) against PyTorch FlexAttention (compiled, given the SAME selection as a
-``BlockMask``: the selected earlier blocks as full blocks, the diagonal block as a causal partial
-block) and dense causal SDPA (cuDNN and FlashAttention-2 backends). Shapes of Qwen2.5-0.5B
+Ours (``cuda``, ``triton``, and ``fa4_backend``: ``--sparse-attn-impl fa4``, flash-attn-4's kernels
+through our backend) against PyTorch FlexAttention (compiled, given the SAME selection as a
+``BlockMask``: the selected earlier blocks as full blocks, the diagonal block as a partial block
+whose mask_mod is only ``q >= kv``), FlexAttention's FLASH backend (``flex_flash``: the same call
+with ``kernel_options={"BACKEND": "FLASH"}``, flash-attn-4's CuTe kernels), flash-attn-4's
+block-sparse API called directly (``fa4``: the BlockMask's forward and transposed tensors as
+``BlockSparseTensorsTorch``, per query head, batch 1) and dense causal SDPA (cuDNN and
+FlashAttention-2 backends). Before a sparse implementation's time counts, its output and
+gradients are checked against ours (``cuda``, else ``triton``) on the same case: a row that
+differs gets an error instead of a time. Shapes of Qwen2.5-0.5B
 (14 query heads, 2 KV heads, head dim 64) and Qwen2.5-3B (16, 2, 128); one sequence of S tokens;
 block size 128; density = kept fraction of the causal block triangle, reached by choosing the
 MoBA budget k for each S and routing random-but-structured q/k with the MoBA router.
@@ -13,9 +20,11 @@ whole causal block triangle) and the peak memory the fwd+bwd allocates beyond it
 forward alone is timed too (as training runs it: inputs requiring grad, so it saves what the
 backward needs); ``bwd_ms`` is fwd+bwd minus it, which tells a slow forward from a slow backward.
 
-Usage: ``python3 -m benchmarks.attention [--quick] [--tune] [--impls cuda,triton,flex,cudnn_dense,fa2_dense]``.
+Usage: ``python3 -m benchmarks.attention [--quick] [--tune] [--impls cuda,triton,flex,flex_flash,fa4,...]``.
 Writes ``$OUT/attention_h200.json`` (or ``--out``) and prints a table. ``--markdown FILE`` prints
-docs/BENCHMARKS.md's table of a results file instead of measuring.
+docs/BENCHMARKS.md's table of a results file instead of measuring; ``--auto-table FILE`` files the
+order of our implementations measured in FILE under its GPU in ``ops/measured_order.py`` (what
+``--sparse-attn-impl auto`` follows).
 """
 from __future__ import annotations
 
@@ -35,13 +44,25 @@ from megatron_sparsebalance.ops.sparse_attention import route as sparse_route
 
 SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-3b": (16, 2, 128)}
 BLOCK = 128
-ALL_IMPLS = ("cuda", "triton", "flex", "cudnn_dense", "fa2_dense")
+OURS = ("cuda", "triton", "fa4_backend")
+SPARSE_IMPLS = OURS + ("flex", "flex_flash", "fa4")
+ALL_IMPLS = SPARSE_IMPLS + ("cudnn_dense", "fa2_dense")
+NEEDS_BLOCK_MASK = ("flex", "flex_flash", "fa4")  # built from the route by flex_block_mask
+# Output and gradients of a sparse implementation against ours, in bf16: relative L2 error and
+# largest difference relative to the largest value. Two correct bf16 kernels differ by rounding
+# (well under 1%); a wrong mask or block moves whole rows.
+CHECK_REL_L2 = 2e-2
+CHECK_MAX_REL = 5e-2
 
 
 NOTES = (
     "fwd+bwd medians of CUDA events (10 runs after 3 warm-ups), one sequence of S tokens, bf16, block 128. "
     "flex: torch.compile'd flex_attention given the same selection (off-diagonal selected blocks as full blocks, "
-    "the diagonal as a causal partial block). tflops: 4*kept_blocks*B^2*d*3.5 with kept blocks counted per query "
+    "the diagonal as a partial block, mask_mod q >= kv). flex_flash: the same call with kernel_options "
+    "{'BACKEND': 'FLASH'} (flash-attn-4). fa4: flash-attn-4's block-sparse API called directly with the "
+    "BlockMask's forward and transposed tensors (per query head, batch 1). fa4_backend: --sparse-attn-impl fa4. "
+    "check_vs/check: output and gradient errors against ours (rel_l2, max_rel) checked before a row's time "
+    "counts. tflops: 4*kept_blocks*B^2*d*3.5 with kept blocks counted per query "
     "head (dense rows: the whole causal block triangle). peak_mem_gib: memory allocated by one fwd+bwd beyond its "
     "inputs (peak_requested_gib: the bytes requested, without the allocator's rounding). router: router_ms the "
     "torch MoBA router (block_scores+select_blocks) alone, router_gpu_ms the GPU router as the model runs it "
@@ -143,15 +164,12 @@ def flex_block_mask(route, hq, S):
     def per_head(x):
         return x.repeat_interleave(R, 0).unsqueeze(0).contiguous()
 
-    # The mask_mod also encodes the selection (a [HQ, NB, NB] bool table, O(NB^2) not O(S^2)):
-    # compiled Flex evaluates it only on the partial (diagonal) blocks, and eager Flex, which
-    # ignores the block structure, still computes the same function.
-    sel = torch.zeros(G, NB, NB + 1, dtype=torch.bool, device=dev)
-    sel.scatter_(-1, torch.where(kv_idx >= 0, kv_idx.long(), NB), True)
-    sel = sel[..., :NB].repeat_interleave(R, 0).contiguous()
-
+    # Compiled Flex evaluates the mask_mod only on the partial blocks, the diagonal ones, where the
+    # selection is causal: the mask_mod says only that. A mask_mod that also looked the selection
+    # up in a table would be the same function but cost Flex 14-22% at 0.5B (a weakened anchor).
+    # Eager Flex ignores the block structure: this mask is for compiled Flex (and FA4) only.
     def mask_mod(b, h, qi, ki):
-        return (qi >= ki) & sel[h, qi // BLOCK, ki // BLOCK]
+        return qi >= ki
 
     return BlockMask.from_kv_blocks(
         per_head(part_cnt), per_head(part_idx), per_head(full_cnt.to(torch.int32)), per_head(full_idx),
@@ -159,28 +177,58 @@ def flex_block_mask(route, hq, S):
     )
 
 
+def fa4_direct_tensors(bm):
+    """flash-attn-4's forward and backward ``BlockSparseTensorsTorch`` of a FlexAttention BlockMask:
+    its KV-direction (forward) and Q-direction (transposed, backward) block lists as they are."""
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    size = (BLOCK, BLOCK)
+    fwd = BlockSparseTensorsTorch(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                  block_size=size)
+    bwd = BlockSparseTensorsTorch(bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices,
+                                  block_size=size)
+    return fwd, bwd
+
+
 def run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm):
     """Closures ``(forward, forward_backward)`` of ``impl``: the forward alone (its output and
-    what autograd saves are dropped on return) and one forward+backward."""
+    what autograd saves are dropped on return) and one forward+backward.
+
+    ``flex_fn`` (compiled flex_attention) serves flex and flex_flash, ``bm`` (:func:`flex_block_mask`)
+    flex, flex_flash and fa4. The forward returns its output in the layout of its inputs."""
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d)
-    if impl in ("cuda", "triton"):
+    if impl in OURS:
         from megatron_sparsebalance.ops.implementations import attention_function
 
-        fn = attention_function(impl)
+        fn = attention_function("fa4" if impl == "fa4_backend" else impl)
         inputs, grad_out = (q, k, v), go
 
         def forward():
             return fn(q, k, v, route, scale)
+    elif impl == "fa4":
+        from megatron_sparsebalance.ops.fa4_attention import _fa4
+
+        flash_attn_func, _, causal_mask_mod = _fa4()
+        fwd_tensors, bwd_tensors = fa4_direct_tensors(bm)
+        inputs, grad_out = (q, k, v), go
+
+        def forward():  # [S, H, D] is FA4's [batch 1, seqlen, heads, dim] without the batch
+            out = flash_attn_func(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale=scale,
+                                  mask_mod=causal_mask_mod, block_sparse_tensors=fwd_tensors,
+                                  block_sparse_tensors_bwd=bwd_tensors)
+            return (out[0] if isinstance(out, tuple) else out)[0]
     else:
         # Flex and SDPA take [1, H, S, D]; they get their own contiguous copies (layout not timed).
         qh, kh, vh, goh = (x.detach().transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v, go))
         for x in (qh, kh, vh):
             x.requires_grad_()
         inputs, grad_out = (qh, kh, vh), goh
-        if impl == "flex":
+        if impl in ("flex", "flex_flash"):
+            options = {"BACKEND": "FLASH"} if impl == "flex_flash" else None
+
             def forward():
-                return flex_fn(qh, kh, vh, block_mask=bm, enable_gqa=True, scale=scale)
+                return flex_fn(qh, kh, vh, block_mask=bm, enable_gqa=True, scale=scale, kernel_options=options)
         else:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -192,7 +240,45 @@ def run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm):
 
     def step():
         torch.autograd.grad(forward(), inputs, grad_out)
+    forward.inputs, forward.grad_out = inputs, grad_out  # for check_case
     return forward, step
+
+
+def outputs_and_grads(forward) -> list:
+    """``[out, dq, dk, dv]`` of one forward+backward, in our layout ``[S, H, D]``."""
+    out = forward()
+    grads = torch.autograd.grad(out, forward.inputs, forward.grad_out)
+    tensors = [out, *grads]
+    if out.dim() == 4:  # Flex and SDPA: [1, H, S, D]
+        tensors = [x[0].transpose(0, 1) for x in tensors]
+    return [x.detach() for x in tensors]
+
+
+def compare(got: list, ref: list) -> dict:
+    """Relative L2 error and largest difference over the largest reference value, per tensor."""
+    check = {}
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        a, b = a.float(), b.float()
+        if not torch.isfinite(a).all():
+            check[name] = dict(rel_l2=float("inf"), max_rel=float("inf"))
+            continue
+        check[name] = dict(rel_l2=((a - b).norm() / b.norm().clamp(min=1e-30)).item(),
+                           max_rel=((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item())
+    return check
+
+
+def check_failure(check: dict, ref_impl: str) -> str | None:
+    """Why a checked row's time must not count, or None when it agrees with ours."""
+    bad = [f"{name} rel_l2 {c['rel_l2']:.2e} max_rel {c['max_rel']:.2e}" for name, c in check.items()
+           if not (c["rel_l2"] <= CHECK_REL_L2 and c["max_rel"] <= CHECK_MAX_REL)]
+    return f"differs from {ref_impl}: " + ", ".join(bad) if bad else None
+
+
+def reference_impl() -> str | None:
+    """Ours to check the others against: cuda where it runs, else triton (measured or not)."""
+    from megatron_sparsebalance.ops.implementations import unavailable_reason
+
+    return next((i for i in ("cuda", "triton") if unavailable_reason(i, torch.device("cuda")) is None), None)
 
 
 def tune_triton(shape_names, S=32768, density=0.25):
@@ -255,10 +341,16 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/attention_h200.json)")
     ap.add_argument("--markdown", default=None, metavar="JSON",
                     help="print the markdown table of a results file (docs/BENCHMARKS.md's) and exit")
+    ap.add_argument("--auto-table", default=None, metavar="JSON",
+                    help="file the order of our implementations measured in a results file under its GPU in "
+                         f"{MEASURED_ORDER_PATH} (what --sparse-attn-impl auto follows) and exit")
     args = ap.parse_args(argv)
     if args.markdown:
         with open(args.markdown) as f:
             print(markdown_table(json.load(f)))
+        return None
+    if args.auto_table:
+        print(json.dumps(update_measured_order(args.auto_table)))
         return None
     impls = [x for x in args.impls.split(",") if x]
     shapes = [x for x in args.shapes.split(",") if x]
@@ -277,14 +369,27 @@ def main(argv=None):
         from megatron_sparsebalance.ops.triton_attention import CONFIGS
 
         meta["triton_configs"] = tuned or {f"{kind}/{d}": list(cfg) for (kind, d), cfg in CONFIGS.items()}
+    unknown = sorted(set(impls) - set(ALL_IMPLS))
+    if unknown:
+        raise ValueError(f"--impls: unknown {unknown}; choose from {ALL_IMPLS}")
+    if any(i in impls for i in ("fa4", "fa4_backend", "flex_flash")):
+        from importlib.metadata import PackageNotFoundError, version
+
+        for package in ("flash-attn-4", "nvidia-cutlass-dsl"):
+            try:
+                meta[package.replace("-", "_")] = version(package)
+            except PackageNotFoundError:
+                meta[package.replace("-", "_")] = None
     flex_fn = None
-    if "flex" in impls:
+    if "flex" in impls or "flex_flash" in impls:
         from torch.nn.attention.flex_attention import flex_attention
 
         flex_fn = torch.compile(flex_attention, dynamic=False)
         # One compilation per case (shape, length, mask). Past dynamo's recompile limit (8) Flex
         # would silently run eagerly, materialising the S x S scores (128 GiB at 3B, 32K).
         torch._dynamo.config.recompile_limit = 256
+    ref_impl = reference_impl()
+    meta["check_vs"] = ref_impl
     rows, routers = [], {}  # routers: one row per (shape, S, density), in measuring order
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in shapes:
@@ -296,7 +401,8 @@ def main(argv=None):
                 x.requires_grad_()
             go = torch.randn_like(q)
             lay = BlockLayout.from_cu_seqlens(torch.tensor([0, S], dtype=torch.int32, device="cuda"), BLOCK, S)
-            cases = [("cudnn_dense", 1.0), ("fa2_dense", 1.0)] + [(i, x) for x in dens for i in ("cuda", "triton", "flex")]
+            cases = [("cudnn_dense", 1.0), ("fa2_dense", 1.0)] + [(i, x) for x in dens for i in SPARSE_IMPLS]
+            references = {}  # density -> ours' [out, dq, dk, dv]: what every sparse row is checked against
             for impl, density in cases:
                 if impl not in impls:
                     continue
@@ -314,7 +420,7 @@ def main(argv=None):
                         routers[name, S, density] = dict(shape=name, seq=S, density=density, k=kk, router_ms=rms,
                                                          router_gpu_ms=fms)
                     kept_heads = route.kept_blocks() * (hq // g)
-                    if impl == "flex":
+                    if impl in NEEDS_BLOCK_MASK:
                         bm = flex_block_mask(route, hq, S)
                 row = dict(impl=impl, shape=name, seq=S, density=density)
                 forward = step = None
@@ -322,6 +428,19 @@ def main(argv=None):
                     row.update(k=kk, kept_frac=kept_heads / (hq * nb * (nb + 1) / 2))
                 try:
                     forward, step = run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm)
+                    if density < 1.0:  # the same function as ours, gradients included, before it is timed
+                        if ref_impl is None:
+                            raise RuntimeError("no implementation of ours (cuda, triton) runs here to check against")
+                        if density not in references:
+                            ref_forward, _ = run_case(ref_impl, q, k, v, go, route, S, hq, flex_fn, bm)
+                            references[density] = outputs_and_grads(ref_forward)
+                            del ref_forward
+                        if impl != ref_impl:
+                            check = compare(outputs_and_grads(forward), references[density])
+                            row.update(check_vs=ref_impl, check=check)
+                            failure = check_failure(check, ref_impl)
+                            if failure:
+                                raise AssertionError(failure)
                     ms = cuda_time(step, iters=args.iters)
                     fwd_ms = cuda_time(forward, iters=args.iters)
                     row.update(fwd_ms=fwd_ms, bwd_ms=ms - fwd_ms)
@@ -344,7 +463,7 @@ def main(argv=None):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 del step, forward
-            del q, k, v, go
+            del q, k, v, go, references
             torch.cuda.empty_cache()
     result = dict(meta, rows=rows, router=list(routers.values()))
     out = args.out or (os.path.join(os.environ["OUT"], "attention_h200.json") if os.environ.get("OUT") else None)
@@ -366,8 +485,35 @@ def sparse_cases(rows):
 
 
 def best_ours_ms(got) -> float | None:
-    """The faster of our two implementations' ms in a case's rows by impl (None if neither ran)."""
-    return min((got[i]["ms"] for i in ("cuda", "triton") if got.get(i, {}).get("ms")), default=None)
+    """The fastest of our implementations' ms in a case's rows by impl (None if none ran)."""
+    return min((got[i]["ms"] for i in OURS if got.get(i, {}).get("ms")), default=None)
+
+
+MEASURED_ORDER_PATH = "megatron_sparsebalance/ops/measured_order.py"
+
+
+def render_measured_order(table: dict) -> str:
+    """The source of ``ops/measured_order.py`` holding ``table``."""
+    import pprint
+
+    from megatron_sparsebalance.ops import measured_order
+
+    return f'"""{measured_order.__doc__}"""\n\nMEASURED = {pprint.pformat(table, indent=4, width=110)}\n'
+
+
+def update_measured_order(results_path: str, module_path: str | None = None) -> dict:
+    """File the order measured in ``results_path`` under its GPU in ``ops/measured_order.py``."""
+    from megatron_sparsebalance.ops import measured_order
+    from megatron_sparsebalance.ops.implementations import measured_entry
+
+    with open(results_path) as f:
+        result = json.load(f)
+    entry = dict(measured_entry(result), source=os.path.relpath(results_path))
+    table = dict(measured_order.MEASURED, **{result["gpu"]: entry})
+    module_path = module_path or measured_order.__file__
+    with open(module_path, "w") as f:
+        f.write(render_measured_order(table))
+    return {result["gpu"]: entry}
 
 
 def markdown_table(result) -> str:
@@ -391,6 +537,12 @@ def markdown_table(result) -> str:
              "| FA2 dense ms (TF/s) | flex / cuda | flex / best ours | cuda fwd / bwd ms | triton fwd / bwd ms "
              "| flex fwd / bwd ms | extra GiB cuda / triton / flex |",
              "|" + "---|" * 14]
+    # FA4's columns appear where a file measured it (files from before it keep their table)
+    with_fa4 = any(r["impl"] in ("flex_flash", "fa4", "fa4_backend") for r in rows)
+    if with_fa4:
+        lines[0] += (" flex FLASH ms (TF/s) | FA4 ms (TF/s) | fa4 (ours) ms (TF/s) | FA4 / cuda | FA4 / best ours "
+                     "| FA4 fwd / bwd ms |")
+        lines[1] += "---|" * 6
     for shape, S, density, got, dense in sparse_cases(rows):
         cuda, triton, flex = (got.get(i) for i in ("cuda", "triton", "flex"))
         kept = next((r["kept_frac"] for r in got.values() if "kept_frac" in r), None)
@@ -399,6 +551,11 @@ def markdown_table(result) -> str:
                  ratio(flex and flex.get("ms"), cuda and cuda.get("ms")),
                  ratio(flex and flex.get("ms"), best_ours_ms(got)),
                  fwd_bwd(cuda), fwd_bwd(triton), fwd_bwd(flex), " / ".join(gib(r) for r in (cuda, triton, flex))]
+        flash, fa4, fa4_ours = (got.get(i) for i in ("flex_flash", "fa4", "fa4_backend"))
+        if with_fa4:
+            fa4_ms = fa4 and fa4.get("ms")
+            cells += [ms(flash), ms(fa4), ms(fa4_ours), ratio(fa4_ms, cuda and cuda.get("ms")),
+                      ratio(fa4_ms, best_ours_ms(got)), fwd_bwd(fa4)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -406,18 +563,22 @@ def markdown_table(result) -> str:
 def print_table(result):
     rows = result["rows"]
     print(f"\n{result['gpu']}  torch {result['torch']}  triton {result.get('triton')}  fwd+bwd, bf16, block {BLOCK}")
-    print(f"{'shape':14s} {'S':>6s} {'dens':>5s} | " + " | ".join(f"{i:>19s}" for i in ALL_IMPLS) + " | best/flex")
+    print(f"{'shape':14s} {'S':>6s} {'dens':>5s} | " + " | ".join(f"{i:>19s}" for i in ALL_IMPLS)
+          + " | flex/best | fa4/best")
     for shape, S, dens, got, dense in sparse_cases(rows):
         cells = []
         for i in ALL_IMPLS:
             r = got.get(i) or dense.get(i)
             cells.append(f"{r['ms']:8.2f}ms {r['tflops']:5.0f}TF" if r and r.get("ms") else f"{'-':>19s}")
-        ours, flex = best_ours_ms(got), got.get("flex", {}).get("ms")
-        ratio = f"{flex / ours:5.2f}x" if ours and flex else "  -"
-        print(f"{shape:14s} {S:6d} {dens:5.2f} | " + " | ".join(cells) + f" | {ratio}")
+        ours = best_ours_ms(got)
+        ratios = []
+        for anchor in ("flex", "fa4"):
+            theirs = got.get(anchor, {}).get("ms")
+            ratios.append(f"{theirs / ours:8.2f}x" if ours and theirs else f"{'-':>9s}")
+        print(f"{shape:14s} {S:6d} {dens:5.2f} | " + " | ".join(cells) + " | " + " | ".join(ratios))
     print("\nforward | backward ms (backward = fwd+bwd - fwd)")
     for shape, S, dens, got, _ in sparse_cases(rows):
-        cells = [f"{i} {got[i]['fwd_ms']:.2f} | {got[i]['bwd_ms']:.2f}" for i in ("cuda", "triton", "flex")
+        cells = [f"{i} {got[i]['fwd_ms']:.2f} | {got[i]['bwd_ms']:.2f}" for i in SPARSE_IMPLS
                  if got.get(i, {}).get("fwd_ms") is not None]
         print(f"{shape:14s} {S:6d} {dens:5.2f}   " + "   ".join(cells))
     for r in result.get("router", []):

@@ -87,6 +87,12 @@ def parse_args(argv=None):
     p.add_argument("--configs", nargs="+", default=list(CONFIGS),
                    help=f"any of {list(CONFIGS)}; DIST:CONFIG runs CONFIG for that distribution only")
     p.add_argument("--model", default="qwen2.5-0.5b")
+    p.add_argument("--checkpoint", default=None,
+                   help="start every run from this converted checkpoint (--pretrained-checkpoint --use-checkpoint-args) "
+                        "instead of --model at random init (docs/REAL_MODEL.md)")
+    p.add_argument("--data-prefix", default=None,
+                   help="real data: <prefix>_<dist> (.bin/.idx of tools/build_mix.py) instead of mock data")
+    p.add_argument("--weights", default=None, help="label of the weights in each row (e.g. smollm2, random)")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset (smoke runs)")
     p.add_argument("--first-stage-layers", type=int, default=None, help="override the layout's first-stage layers")
     p.add_argument("--last-stage-layers", type=int, default=None, help="override the layout's last-stage layers")
@@ -119,11 +125,15 @@ def pretrain_flags(args, dist: str, config: str) -> list:
     first = args.first_stage_layers if args.first_stage_layers is not None else first
     last = args.last_stage_layers if args.last_stage_layers is not None else last
     seed = args.seed + 1 if config == "baseline-seed2" else args.seed
+    model = (["--pretrained-checkpoint", args.checkpoint, "--use-checkpoint-args"] if args.checkpoint
+             else ["--model", args.model])
+    data = (["--data-path", f"{args.data_prefix}_{dist}"] if args.data_prefix
+            else ["--mock-data", "--mock-length-distribution", dist])
     flags = [
-        "--model", args.model, "--pipeline-model-parallel-size", str(pp),
+        *model, "--pipeline-model-parallel-size", str(pp),
         "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
         "--seq-length", str(args.seq_length), "--micro-batch-tokens", str(args.micro_batch_tokens or args.seq_length),
-        "--mock-data", "--mock-length-distribution", dist, "--moba-block-size", str(args.moba_block_size),
+        *data, "--moba-block-size", str(args.moba_block_size),
         "--moba-topk", str(args.moba_topk), "--train-iters", str(args.warmup + args.iters), "--log-interval", "1",
         "--seed", str(seed), "--lr", "1e-4", "--lr-warmup-iters", "0",
     ]
@@ -328,7 +338,9 @@ def run(args) -> dict:
             dist.all_gather_object(peaks, peak)
             if dist.get_rank() != 0:
                 continue
-            row = summarize(dist_name, args.layout, config, recorder.iterations, dp, args.model)
+            row = summarize(dist_name, args.layout, config, recorder.iterations, dp, args.checkpoint or args.model)
+            if args.weights:
+                row["weights"] = args.weights
             row.update(run_s=wall, peak_mem_gib_per_rank=peaks)
             result["rows"].append(row)
             result["iterations"][f"{dist_name}/{config}"] = recorder.iterations
@@ -361,7 +373,7 @@ def add_speedups(rows: list) -> None:
     """``speedup`` (wall) and ``pipeline_speedup`` of each row against its layout's and distribution's baseline."""
     for r in rows:
         base = next((b for b in rows if b["config"] == "baseline" and b["dist"] == r["dist"]
-                     and b["layout"] == r["layout"]), None)
+                     and b["layout"] == r["layout"] and b.get("weights") == r.get("weights")), None)
         if base is not None:
             r["speedup"] = base["iter_ms"] / r["iter_ms"]
             r["pipeline_speedup"] = base["pipeline_ms"] / r["pipeline_ms"]
@@ -443,9 +455,9 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
                     merged[key][f"{part['layout']}/{dist_name}"] = ideal[key]
         merged["sources"].append(source)
         traces.update({f"{part['layout']}/{k}": v for k, v in part["traces"].items()})
-    # A later file's row replaces an earlier one of the same (layout, dist, config).
+    # A later file's row replaces an earlier one of the same (layout, dist, config, weights).
     # (--exclude was applied per file above: an unqualified entry drops the row in every file.)
-    merged["rows"] = list({(r["layout"], r["dist"], r["config"]): r for r in merged["rows"]}.values())
+    merged["rows"] = list({(r["layout"], r["dist"], r["config"], r.get("weights")): r for r in merged["rows"]}.values())
     merged["excluded"] = list(exclude)
     add_speedups(merged["rows"])
     path = os.path.join(out_dir, f"e2e_{tag}.json")

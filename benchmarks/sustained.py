@@ -40,7 +40,8 @@ import time
 
 import torch
 
-from benchmarks.attention import ALL_IMPLS, BLOCK, SHAPES, budget_for_density, flex_block_mask, make_inputs, run_case
+from benchmarks.attention import (ALL_IMPLS, BLOCK, NEEDS_BLOCK_MASK, SHAPES, budget_for_density, flex_block_mask,
+                                  make_inputs, run_case)
 from megatron_sparsebalance.ops.layout import BlockLayout
 from megatron_sparsebalance.ops.router import block_scores, select_blocks
 
@@ -255,7 +256,7 @@ def main(argv=None):
                 step, tflop = gemm_step(attention_tflop, gen, args.gemm_rows)
             else:
                 flex_fn = bm = None
-                if impl == "flex":
+                if impl in NEEDS_BLOCK_MASK:
                     from torch.nn.attention.flex_attention import flex_attention
 
                     flex_fn, bm = torch.compile(flex_attention, dynamic=False), flex_block_mask(route, hq, S)

@@ -117,7 +117,8 @@ class ModelConfig:
     """Separate output layer (the 3B preset is untied already)."""
     use_checkpoint_args: bool = False
     """Take the architecture from the checkpoint of --load or --pretrained-checkpoint (recorded by
-    tools/convert_checkpoint.py or a previous run) instead of --model and the shape flags."""
+    tools/convert_checkpoint.py or a previous run) instead of --model and the shape flags; an
+    explicit --rotary-base still applies (context extension)."""
 
     @property
     def megatron_defaults(self) -> bool:
@@ -441,7 +442,11 @@ class SparseBalanceConfig:
         recorded = dist_checkpointing.load_common_state_dict(path).get("common", {}).get("model_shape")
         if recorded is None:
             raise ValueError(f"--use-checkpoint-args: {path} records no model_shape")
-        return ModelShape(**recorded)
+        shape = ModelShape(**recorded)
+        # RoPE's base holds no weights: raising it is how a pretrained model's context is extended.
+        if self.model.rotary_base is not None:
+            shape = dataclasses.replace(shape, rotary_base=self.model.rotary_base)
+        return shape
 
     def tokenizer_vocab_size(self) -> Optional[int]:
         """Without --model and --vocab-size, Megatron-LM sizes the vocabulary from the tokenizer:
@@ -684,10 +689,17 @@ def _base_type(annotation):
     return args[0] if args else annotation
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every field of every group as a flag (usable as Megatron-LM's ``extra_args_provider``)."""
+def add_arguments(parser: argparse.ArgumentParser, groups: Optional[dict] = None, skip_existing: bool = False,
+                  flat_dest: bool = False) -> argparse.ArgumentParser:
+    """Add every field of ``groups`` (default: all) as a flag.
+
+    ``skip_existing`` leaves out the flags ``parser`` already has, and ``flat_dest`` stores each
+    value under its field's name: how Megatron-LM's ``extra_args_provider`` adds ours to its own
+    parser (``megatron_lm.py``), which already owns the flags both entries share.
+    """
     seen = {}
-    for group_name, cls in GROUPS.items():
+    existing = set(parser._option_string_actions) if skip_existing else set()
+    for group_name, cls in (groups or GROUPS).items():
         group = parser.add_argument_group(group_name)
         docs = field_docs(cls)
         hints = typing.get_type_hints(cls)
@@ -695,10 +707,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             if f.name in seen:
                 raise ValueError(f"flag {_flag(f.name)} is defined by both {seen[f.name]} and {group_name}")
             seen[f.name] = group_name
+            if {_flag(f.name), "--no-" + f.name.replace("_", "-")} & existing:
+                continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             help_text = docs.get(f.name, "")
             typ = _base_type(hints[f.name])
-            dest = f"{group_name}.{f.name}"
+            dest = f.name if flat_dest else f"{group_name}.{f.name}"
             if typ is bool:
                 # Both spellings: --sparse-attention (users type both), and the architecture
                 # switches whose default is the preset's (None), which a flag turns on or off.

@@ -6,6 +6,12 @@ paper's baseline), then ``--dst-anchor mean --batching sab`` (SparseBalance), an
 median iteration time, imbalance, bubble and mean budget of each. Without a GPU it runs a tiny
 model with PP=2 over gloo on the CPU; with GPUs, the Qwen2.5-0.5B architecture with one pipeline
 stage per GPU (up to 4).
+
+With GPUs and a real model staged on the machine (docs/REAL_MODEL.md: ``tools/stage_model.sh`` puts
+the converted SmolLM2-135M checkpoint in /tmp/smollm2/mcore, ``tools/prepare_real_data.sh`` the
+real-document longtail mix in /tmp/realdata/mix_longtail), the demo fine-tunes that model on that
+mix instead; ``MSB_REAL_MODEL`` and ``MSB_REAL_DATA`` point elsewhere, ``MSB_REAL_MODEL=none``
+keeps the mock run.
 """
 from __future__ import annotations
 
@@ -20,7 +26,30 @@ import tempfile
 import torch
 
 
-def run_args(on_gpu: bool, pp: int, iters: int) -> list:
+REAL_MODEL = os.environ.get("MSB_REAL_MODEL", "/tmp/smollm2/mcore")
+REAL_DATA = os.environ.get("MSB_REAL_DATA", "/tmp/realdata/mix_longtail")
+# SmolLM2-135M's 30 layers over up to 4 stages; the last stage also runs the output layer.
+REAL_PIPELINE_SPLITS = {1: [], 2: [], 3: [], 4: ["--decoder-first-pipeline-num-layers", "8",
+                                                  "--decoder-last-pipeline-num-layers", "6"]}
+
+
+def real_model_present() -> bool:
+    from megatron_sparsebalance.training.checkpointing import latest_checkpoint
+
+    if REAL_MODEL == "none" or not os.path.isdir(REAL_MODEL) or not os.path.exists(REAL_DATA + ".idx"):
+        return False
+    try:
+        return latest_checkpoint(REAL_MODEL) is not None
+    except ValueError:
+        return False
+
+
+def run_args(on_gpu: bool, pp: int, iters: int, real: bool = False) -> list:
+    if on_gpu and real:
+        return ["--pretrained-checkpoint", REAL_MODEL, "--use-checkpoint-args", "--bf16", "--data-path", REAL_DATA,
+                "--seq-length", "32768", "--moba-block-size", "64", "--moba-topk", "32", *REAL_PIPELINE_SPLITS[pp],
+                "--pipeline-model-parallel-size", str(pp), "--global-batch-size", str(4 * pp), "--micro-batch-size",
+                "1", "--train-iters", str(iters), "--lr", "2e-5", "--min-lr", "2e-6", "--log-interval", "1"]
     if on_gpu:
         model = ["--model", "qwen2.5-0.5b", "--bf16", "--seq-length", "32768", "--moba-block-size", "128",
                  "--moba-topk", "32", "--mock-vocab-size", "32000"]
@@ -56,12 +85,14 @@ def main(argv=None):
     gpus = torch.cuda.device_count()
     on_gpu = gpus >= 2
     pp = min(gpus, 4) if on_gpu else 2
-    base = run_args(on_gpu, pp, args.iters)
+    real = on_gpu and real_model_present()
+    base = run_args(on_gpu, pp, args.iters, real)
     configs = {
         "baseline (fixed budget, arrival order)": ["--dst-anchor", "none", "--batching", "none"],
         "SparseBalance (DST mean, p=0.1 + SAB)": ["--dst-anchor", "mean", "--dst-p", "0.1", "--batching", "sab"],
     }
-    print(f"demo: {'GPU' if on_gpu else 'CPU (gloo)'} run, PP={pp}, long-tailed mock data\n", flush=True)
+    data = f"SmolLM2-135M ({REAL_MODEL}) on real documents ({REAL_DATA})" if real else "long-tailed mock data"
+    print(f"demo: {'GPU' if on_gpu else 'CPU (gloo)'} run, PP={pp}, {data}\n", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, extra) in enumerate(configs.items()):

@@ -47,7 +47,7 @@ from megatron_sparsebalance.training.checkpointing import (
     save_checkpoint,
 )
 from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
-from megatron_sparsebalance.training.dist import init_distributed, seed_everything
+from megatron_sparsebalance.training.dist import init_distributed
 from megatron_sparsebalance.training.evaluate import Evaluator
 from megatron_sparsebalance.training.manual_gc import ManualGC
 from megatron_sparsebalance.training.trainer import Trainer
@@ -63,6 +63,13 @@ except ImportError:  # optional: only --tensorboard-dir needs it
 # ---- set-up --------------------------------------------------------------------------------
 
 
+def attention_impl_name(cfg: SparseBalanceConfig, device: torch.device) -> str:
+    """The attention implementation the run's layers resolve to ('dense' without sparse attention)."""
+    if not cfg.sparse.sparse_attention:
+        return "dense"
+    return resolve_impl(cfg.sparse.sparse_attn_impl, device, cfg.sparse.deterministic_mode, cfg.sparse.moba_block_size)
+
+
 def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> LatencyModel:
     """The table of --latency-table (checked against this run) or the analytic model."""
     shape = cfg.model_shape()
@@ -70,7 +77,8 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
     # (--decoder-first/last-pipeline-num-layers) online calibration absorbs the difference.
     nl = shape.num_layers // cfg.parallel.pipeline_model_parallel_size
     if cfg.latency.latency_table:
-        impl = resolve_impl(cfg.sparse.sparse_attn_impl, device)
+        impl = resolve_impl(cfg.sparse.sparse_attn_impl, device, cfg.sparse.deterministic_mode,
+                            cfg.sparse.moba_block_size)
         expect = latency_metadata(shape, cfg.sparse.moba_block_size, nl, "bfloat16" if cfg.training.bf16 else "float32",
                                   kernel_impl=impl, pipeline_parallel_size=cfg.parallel.pipeline_model_parallel_size,
                                   gpu=None if device.type == "cuda" else "cpu",
@@ -146,6 +154,7 @@ class Metrics:
         row = dict(
             iteration=iteration, consumed_samples=consumed, elapsed_ms=elapsed_ms,
             tflops_per_gpu=flops / (elapsed_ms / 1e3) / world / 1e12, lr=lr, loss=step.loss,
+            lm_loss=step.extra.get("lm_loss", float("nan")),
             grad_norm=float(step.grad_norm) if step.grad_norm is not None else float("nan"),
             skipped=skipped_total, nan=nan_total, imbalance=m.imbalance if m else float("nan"),
             bubble=sum(m.bubble) / len(m.bubble) if m else float("nan"),
@@ -245,7 +254,6 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
                      cfg.parallel.distributed_backend, seed=cfg.data.seed,
                      timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    seed_everything(cfg.data.seed)
     rank, dp_rank = dist.get_rank(), parallel_state.get_data_parallel_rank()
     dp = parallel_state.get_data_parallel_world_size()
     shape = cfg.model_shape()
@@ -311,7 +319,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
         print(f"megatron-sparsebalance: {shape.num_layers} layers over PP={cfg.parallel.pipeline_model_parallel_size} "
               f"({'/'.join(map(str, cfg.pipeline_layer_split(shape)))} per stage) "
               f"DP={dp}, {cfg.micro_batches_per_rank(world)} micro-batches per rank, attention "
-              f"{resolve_impl(cfg.sparse.sparse_attn_impl, device) if cfg.sparse.sparse_attention else 'dense'}, "
+              f"{attention_impl_name(cfg, device)}, "
               f"DST {cfg.dst.dst_anchor} (p={cfg.dst.dst_p}, growth {cfg.dst.dst_growth}), batching {cfg.batching.batching}, "
               f"latency model {type(latency).__name__}", flush=True)
 

@@ -66,20 +66,21 @@ def run_flag_list(argv, out_path):
 
     from megatron_sparsebalance import pretrain as entry
     from megatron_sparsebalance.config import parse_config
+    from megatron_sparsebalance.training import dist as msb_dist
 
     seeded = []
-    real_seed = entry.seed_everything
+    real_seed = msb_dist.seed_everything
 
     def recording_seed(seed):
         real_seed(seed)
         seeded.append([seed, random.random(), float(np.random.random())])
         real_seed(seed)  # the draws above must not change the run
 
-    entry.seed_everything = recording_seed
+    msb_dist.seed_everything = recording_seed
     try:
         rows = entry.pretrain(parse_config(argv))
     finally:
-        entry.seed_everything = real_seed
+        msb_dist.seed_everything = real_seed
     last_stage = dist.get_rank() == dist.get_world_size() - 1
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1)

@@ -67,3 +67,53 @@ def test_the_docs_table_is_the_committed_results_file():
     docs = (root / "docs/BENCHMARKS.md").read_text().splitlines()
     start = docs.index(expected[0])
     assert docs[start:start + len(expected)] == expected
+
+
+def test_fa4_columns_compare_fa4_direct_with_the_fastest_of_ours_fa4_backend_included():
+    rows = RESULT["rows"] + [_row("flex_flash", 0.25, 3.0, fwd_ms=1.0), _row("fa4", 0.25, 2.5, fwd_ms=0.5),
+                             _row("fa4_backend", 0.25, 1.25, fwd_ms=0.25)]
+    table = markdown_table(dict(rows=rows))
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    assert len(header) == 20 and table.splitlines()[1] == "|" + "---|" * 20
+    cells = _line(table, "0.25")
+    assert cells[14:17] == ["3.00 (100)", "2.50 (100)", "1.25 (100)"]
+    assert cells[17] == "0.62x"  # FA4 / cuda
+    assert cells[18] == "2.00x"  # FA4 / fa4 through our backend, the fastest of ours here
+    assert cells[9] == "8.00x"  # flex / best ours counts it too
+    assert cells[19] == "0.50 / 2.00"
+
+
+def test_auto_table_files_the_measured_order_under_the_gpu_and_keeps_the_others(tmp_path):
+    from benchmarks.attention import update_measured_order
+    from megatron_sparsebalance.ops.measured_order import MEASURED
+
+    rows = [_row("cuda", 0.25, 4.0), _row("fa4_backend", 0.25, 2.0), _row("triton", 0.25, 3.0),
+            _row("fa4", 0.25, 1.0), _row("cudnn_dense", 1.0, 20.0)]
+    results = tmp_path / "attention_x.json"
+    results.write_text(json.dumps(dict(gpu="NVIDIA X", rows=rows)))
+    module = tmp_path / "measured_order.py"
+    update_measured_order(str(results), str(module))
+    scope = {}
+    exec(module.read_text(), scope)
+    assert scope["MEASURED"]["NVIDIA X"]["order"] == ["fa4", "triton", "cuda"]
+    assert scope["MEASURED"]["NVIDIA X"]["source"].endswith("attention_x.json")
+    for gpu, entry in MEASURED.items():  # the GPUs measured before are kept as they were
+        assert scope["MEASURED"][gpu] == entry
+
+
+def test_a_row_whose_gradients_differ_from_ours_is_flagged_before_it_is_timed():
+    import torch
+
+    from benchmarks.attention import check_failure, compare
+
+    torch.manual_seed(0)
+    ours = [torch.randn(256, 4, 32) for _ in range(4)]
+    rounded = [x.to(torch.bfloat16) for x in ours]  # a correct bf16 kernel: rounding only
+    assert check_failure(compare(rounded, ours), "cuda") is None
+    wrong = [x.clone() for x in rounded]
+    wrong[2][:128] = 0  # dk of a whole block missing (a block left out of the backward)
+    message = check_failure(compare(wrong, ours), "cuda")
+    assert message.startswith("differs from cuda: dk") and "dq" not in message
+    nan = [x.clone() for x in rounded]
+    nan[0][0, 0, 0] = float("nan")
+    assert "out" in check_failure(compare(nan, ours), "cuda")

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from megatron_sparsebalance import compat
 from megatron_sparsebalance.training import checkpointing
 from megatron_sparsebalance.training.model import build_gpt_model, transformer_config
 from tests.pipeline_cases import SHAPE, SPARSE
@@ -27,7 +28,9 @@ def test_checkpoint_is_written_without_a_fork_and_loads_back(gloo_world_of_one, 
     path = checkpointing.save_checkpoint(str(tmp_path), 3, saved, common={"run": "test"})
     monkeypatch.undo()
     shards = [f for f in os.listdir(path) if f.endswith(".distcp")]
-    assert len(shards) == 2, shards  # one file per bucket: two buckets, written by two threads
+    # 0.16: our writer, one file per bucket, two buckets written by two threads; 0.17+: megatron-core's
+    # own threaded writer, one file per thread of its strategy (one).
+    assert len(shards) == (2 if compat._forking_writer() is not None else 1), shards
 
     torch.manual_seed(1)
     loaded = build_gpt_model(SHAPE, SPARSE, transformer_config(SHAPE), max_sequence_length=256)
@@ -51,7 +54,8 @@ def test_a_failed_shard_write_raises_and_leaves_no_complete_checkpoint(gloo_worl
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(filesystem_async, "_write_item", disk_full)
-    with pytest.raises(CheckpointException, match="No space left on device"):
+    # 0.16 passes the OSError's text on; 0.17+'s threaded writer names its class.
+    with pytest.raises(CheckpointException, match="No space left on device|OSError"):
         checkpointing.save_checkpoint(str(tmp_path), 1, model)
     assert not os.path.exists(os.path.join(checkpointing.iteration_dir(str(tmp_path), 1), checkpointing.COMPLETE))
     assert checkpointing.latest_checkpoint(str(tmp_path)) is None

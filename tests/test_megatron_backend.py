@@ -168,3 +168,17 @@ def test_recomputed_layers_route_as_their_forward_did(granularity, method, layer
         assert outside > 1e-2, outside
     else:
         assert outside < 1e-5, outside
+
+
+def test_megatron_deterministic_mode_reaches_the_layer_and_refuses_fa4():
+    """Megatron-LM's --deterministic-mode sets TransformerConfig.deterministic_mode: the layer then
+    resolves auto among deterministic kernels only, and refuses fa4 (atomic dQ) when it is built."""
+    import dataclasses
+
+    cfg = dataclasses.replace(transformer_config(MODEL_PRESETS["tiny"]), deterministic_mode=True)
+    with pytest.raises(ValueError, match="--deterministic-mode"):
+        SparseCoreAttention(cfg, 1, AttnMaskType.causal, sparse_config=SparseAttentionConfig(sparse_attn_impl="fa4"))
+    attn = SparseCoreAttention(cfg, 1, AttnMaskType.causal, sparse_config=SparseAttentionConfig(sparse_attn_impl="auto"))
+    assert attn.deterministic
+    assert not core_attention().deterministic
+    assert core_attention(deterministic_mode=True).deterministic

@@ -43,8 +43,9 @@ def test_flag_list_trains_three_iterations_at_pp2(tmp_path, capfd):
     rows = result["rows"]
     assert [r["iteration"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
     assert all(r["imbalance"] >= 1.0 and r["mean_budget"] > 0 for r in rows)
+    # --seed seeds Python and NumPy too, the last stage (pipeline rank 1) at seed + 100 as Megatron-LM
     assert result["seeded"][0][0] == 1234
-    assert result["seeded"][0][1:] == [random.Random(1234).random(), float(np.random.RandomState(1234).random_sample())]
+    assert result["seeded"][0][1:] == [random.Random(1334).random(), float(np.random.RandomState(1334).random_sample())]
     # checkpoints of --save-interval 2 and the end; the config records the resolved defaults
     assert sorted(d for d in os.listdir(save) if d.startswith("iter_")) == ["iter_0000002", "iter_0000003"]
     config = json.load(open(os.path.join(save, "config.json")))
@@ -206,14 +207,17 @@ def test_split_and_eod_mask_loss(tmp_path):
     assert unmasked[at_eod].sum() == 1  # the mid-document EOD predicts its successor without the flag
 
 
-def test_seed_seeds_python_and_numpy():
+def test_seed_seeds_python_and_numpy(monkeypatch):
+    from megatron.core import parallel_state
+
     from megatron_sparsebalance.training.dist import seed_everything
 
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 1)
     seed_everything(7)
     drawn = (random.random(), float(np.random.random()), float(torch.rand(1)))
     seed_everything(7)
     assert drawn == (random.random(), float(np.random.random()), float(torch.rand(1)))
-    assert drawn[:2] == (random.Random(7).random(), float(np.random.RandomState(7).random_sample()))
+    assert drawn[:2] == (random.Random(107).random(), float(np.random.RandomState(107).random_sample()))
 
 
 def test_log_throughput_prints_the_throughput_field():

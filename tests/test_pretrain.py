@@ -127,6 +127,8 @@ def test_killed_run_keeps_the_metrics_of_its_iterations(tmp_path):
     (["--recompute-modules", "mlp"], "--recompute-modules goes with --recompute-granularity selective"),
     (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
      "--recompute-modules must be core_attn and/or mlp, got .'layernorm'. .megatron-core's layernorm recompute needs"),
+    (["--sparse-attn-impl", "fa4", "--deterministic-mode"], "--sparse-attn-impl fa4 is not deterministic"),
+    (["--sparse-attn-impl", "fa4", "--moba-block-size", "64"], "--sparse-attn-impl fa4 needs --moba-block-size in"),
 ])
 def test_bad_flags_name_the_flag(extra, match, capsys, monkeypatch):
     rc, err = pretrain_cases.refused_in_process(pretrain_cases.TINY + ["--train-iters", "1"] + extra, capsys, monkeypatch)

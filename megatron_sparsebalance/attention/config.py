@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_sparsebalance.ops.implementations import IMPLEMENTATIONS
+from megatron_sparsebalance.ops.implementations import check_request
 from megatron_sparsebalance.ops.layout import validate_block_size
 
 
@@ -14,7 +14,8 @@ class SparseAttentionConfig:
     reference row of every benchmark."""
 
     sparse_attn_impl: str = "auto"
-    """Kernel: auto (fastest available on the device), cuda, triton or torch (the reference)."""
+    """Kernel: auto (fastest measured on the device), cuda, triton, fa4 (flash-attn-4's block-sparse kernels,
+    non-deterministic backward) or torch (the reference)."""
 
     moba_block_size: int = 128
     """Tokens per attention block (64, 128 or 256)."""
@@ -25,10 +26,14 @@ class SparseAttentionConfig:
     track_coverage: bool = True
     """Compute the coverage C(k) of every layer's selection for metrics and SAB's estimator."""
 
+    deterministic_mode: bool = False
+    """Megatron-LM's --deterministic-mode as the attention reads it: auto never picks a non-deterministic
+    kernel, and --sparse-attn-impl fa4 (atomic dQ) is refused. TransformerConfig.deterministic_mode, set by
+    Megatron-LM's own flag, has the same effect."""
+
     def validate(self) -> "SparseAttentionConfig":
         validate_block_size(self.moba_block_size)
-        if self.sparse_attn_impl not in IMPLEMENTATIONS:
-            raise ValueError(f"--sparse-attn-impl must be one of {IMPLEMENTATIONS}, got {self.sparse_attn_impl!r}")
+        check_request(self.sparse_attn_impl, self.deterministic_mode, self.moba_block_size)
         if self.moba_topk < 1:
             raise ValueError(f"--moba-topk must be >= 1, got {self.moba_topk}")
         return self

@@ -21,7 +21,7 @@ from megatron.core.utils import divide
 
 from megatron_sparsebalance.attention.budget import LayerBudget, active_scope
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
-from megatron_sparsebalance.ops.implementations import attention_function, resolve_impl
+from megatron_sparsebalance.ops.implementations import attention_function, check_request, resolve_impl
 from megatron_sparsebalance.ops.layout import LayoutCache, uniform_cu_seqlens
 from megatron_sparsebalance.ops.dense import dense_causal_attention
 from megatron_sparsebalance.ops.sparse_attention import RouteStats, check_qkv, route
@@ -94,6 +94,10 @@ class SparseCoreAttention(MegatronModule):
         if config.apply_query_key_layer_scaling:
             self.softmax_scale /= self.layer_number
         self.last_stats: Optional[RouteStats] = None
+        # Megatron-LM's --deterministic-mode reaches us as the TransformerConfig field; ours as the flag.
+        self.deterministic = bool(self.sparse_config.deterministic_mode or getattr(config, "deterministic_mode", False))
+        if self.sparse_config.sparse_attention:
+            check_request(self.sparse_config.sparse_attn_impl, self.deterministic, self.sparse_config.moba_block_size)
 
     def forward(
         self,
@@ -136,7 +140,7 @@ class SparseCoreAttention(MegatronModule):
         cfg = self.sparse_config
         if not cfg.sparse_attention:
             return dense_causal_attention(q, k, v, cu_seqlens, self.softmax_scale, host_cu_seqlens)
-        impl = resolve_impl(cfg.sparse_attn_impl, q.device)
+        impl = resolve_impl(cfg.sparse_attn_impl, q.device, self.deterministic, cfg.moba_block_size)
         scope = active_scope()
         request = scope.request if scope is not None else None
         budget = request.k if request is not None else cfg.moba_topk

@@ -28,6 +28,7 @@ import bisect
 import itertools
 import math
 import statistics
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -188,6 +189,19 @@ def plan_budgets(micro_batches: Sequence[Sequence[int]], model, config: DSTConfi
         raise ValueError(f"--moba-topk={config.k_base} is not among the latency model's budget candidates {model.candidates}")
     if not micro_batches:
         raise ValueError("a global batch needs at least one micro-batch")
+    # Priced at calibration scale 1 (LatencyModel.uncalibrated: the plan must not depend on wall-clock
+    # measurements); the predictions it reports are scaled back for predicted-vs-measured figures.
+    scale = getattr(model, "scale", 1.0)
+    model = model.uncalibrated() if hasattr(model, "uncalibrated") else model
+    plan = _plan(micro_batches, model, config, pipeline, floor, replica)
+    return dataclasses.replace(
+        plan, predicted_base_ms=[t * scale for t in plan.predicted_base_ms],
+        predicted_ms=[t * scale for t in plan.predicted_ms],
+        anchor_ms=plan.anchor_ms * scale if plan.anchor_ms is not None else None,
+        iteration_ms=plan.iteration_ms * scale if plan.iteration_ms is not None else None)
+
+
+def _plan(micro_batches, model, config: DSTConfig, pipeline, floor, replica) -> "BudgetPlan":
     base = [model.predict(mb, config.k_base) for mb in micro_batches]
     if config.anchor == "none":
         return BudgetPlan([config.k_base] * len(base), base, list(base), None, config.k_base, None)

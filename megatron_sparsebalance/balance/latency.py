@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import copy
 import math
 import statistics
 from dataclasses import asdict, dataclass
@@ -143,6 +144,19 @@ class LatencyModel:
         if total == 0:
             return 0.0
         return self._dense_ms(total) + attn
+
+    def uncalibrated(self) -> "LatencyModel":
+        """This model at calibration scale 1, sharing its tables: what plans are priced with.
+
+        Calibration is one scale factor fed from wall-clock measurements. It cancels between the
+        micro-batches of a plan in exact arithmetic, but not in floating point (a budget at a tie
+        with the anchor flips), so a plan priced with it would depend on how fast the last steps
+        happened to run: a resumed run, whose first steps compile kernels, would plan differently
+        from an uninterrupted one. Priced uncalibrated, a plan depends on the samples alone.
+        """
+        view = copy.copy(self)
+        view._log_scale = 0.0
+        return view
 
     def predict(self, lengths: Sequence[int], k: int) -> float:
         """Predicted forward+backward ms of one micro-batch (``lengths`` packed, THD) on one stage.

@@ -666,7 +666,9 @@ class SparsityAwareBatcher:
         self.method = method
         self.dp_size = int(dp_size)
         self.num_micro_batches = int(num_micro_batches)
-        self.model = latency_model
+        # Weights priced at calibration scale 1 (LatencyModel.uncalibrated): the plan depends on the
+        # samples alone, never on how fast the last steps ran.
+        self.model = latency_model.uncalibrated() if hasattr(latency_model, "uncalibrated") else latency_model
         self.estimator = estimator
         self.token_cap = micro_batch_tokens
         self.order = order

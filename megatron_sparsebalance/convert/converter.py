@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
+from megatron_sparsebalance.compat import initialize_model_parallel
 from megatron_sparsebalance.convert.hf_config import check_pipeline_layout, hf_model_info, megatron_flags
 from megatron_sparsebalance.convert.hf_io import (copy_side_files, load_hf_config, load_hf_weights,
                                                   save_hf_weights)
@@ -74,7 +75,7 @@ def ensure_single_process_megatron() -> None:
     if not dist.is_initialized():
         init_distributed(1, 1, backend="gloo")
     elif not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        initialize_model_parallel(1, 1)
     if (dist.get_world_size() != 1 or parallel_state.get_pipeline_model_parallel_world_size() != 1
             or parallel_state.get_tensor_model_parallel_world_size() != 1):
         raise ValueError("conversion runs in a single process (TP = PP = 1); the checkpoint reshards on load")

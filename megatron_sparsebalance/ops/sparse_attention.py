@@ -219,12 +219,12 @@ def sparse_attention(
         q: ``[T, HQ, D]``; k, v: ``[T, G, D]``; cu_seqlens: ``[N+1]`` int32.
         block_size: 64, 128 or 256.
         budget: KV blocks per query block, the diagonal included.
-        impl: ``auto``, ``cuda``, ``triton`` or ``torch``.
+        impl: ``auto``, ``cuda``, ``triton``, ``fa4`` or ``torch``.
     Returns:
         ``[T, HQ, D]``.
     """
     check_qkv(q, k, v)
-    resolved = resolve_impl(impl, q.device)
+    resolved = resolve_impl(impl, q.device, block_size=block_size)
     layout = BlockLayout.from_cu_seqlens(cu_seqlens, block_size, q.shape[0])
     blocks, _ = route(q, k, layout, budget, track_coverage=False)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

@@ -306,12 +306,15 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved
 
 
 def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
-                                   cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+                                   cp_size: int = 1, cp_rank: int = 0, interleaved: bool = False) -> torch.Tensor:
     """megatron-core's ``rope_utils.fused_apply_rotary_pos_emb_thd``: RoPE of a pack ``t`` ``[T, H, D]``.
 
     ``cu_seqlens`` on the host: positions from the per-micro-batch cache; on ``t``'s device: the
-    in-kernel search.
+    in-kernel search. (megatron-core 0.17+ passes ``interleaved``; 0.16 does not.)
     """
+    if interleaved:
+        raise ValueError("our fused RoPE (ops/triton_rope.py) is non-interleaved only: "
+                         "set rotary_interleaved=False or apply_rope_fusion=False")
     if cp_size != 1:
         raise ValueError(f"our fused THD RoPE (ops/triton_rope.py) does not support context parallelism "
                          f"(cp_size={cp_size}); run with context parallel size 1 or apply_rope_fusion=False")

@@ -16,21 +16,18 @@ A crash mid-save leaves a directory without ``complete`` and an unchanged
 """
 from __future__ import annotations
 
-import functools
 import os
-import queue
 import random
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.utils import unwrap_model
+
+from megatron_sparsebalance.compat import torch_dist_save_strategy
 
 FORMAT = "megatron-sparsebalance/1"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -65,51 +62,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _write_buckets_in_this_process(transform_list, use_msc, rank, write_buckets, results_queue) -> None:
-    """Write this rank's buckets from threads of the calling process, one per bucket as
-    megatron-core forks one process per bucket (the file writes release the GIL), and hand the
-    results over as its forked writer does: one dict per save, or the first exception."""
-
-    def write(index, bucket):
-        done, count = queue.Queue(), queue.Queue()
-        count.put(index)  # the writer takes one item off and marks it done, as its forked worker would
-        FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, done, count, use_fsync=True,
-                                                   use_msc=use_msc)
-        return done.get_nowait()[1]
-
-    with ThreadPoolExecutor(max_workers=max(1, len(write_buckets))) as pool:
-        written = list(pool.map(write, range(len(write_buckets)), write_buckets))
-    failed = [w for w in written if isinstance(w, Exception)]
-    results_queue.put(failed[0] if failed else dict(enumerate(written)))
-
-
-class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
-    """megatron-core's ``torch_dist`` format, written by the calling process.
-
-    megatron-core 0.16's writer forks one process per bucket at every save. A fork copies the
-    locks that the parent's other threads (gloo, NCCL, queue feeders) hold at that instant, and a
-    child that needs one waits forever, and so does its parent in ``count_queue.join()``: the
-    CPU suite once hung there until CI's time ran out. Upstream later replaced the fork with
-    threads; until the pinned version has that, the buckets are written here, one thread each.
-    The files and the metadata are the same; only what writes them differs.
-    """
-
-    def __init__(self):
-        super().__init__("torch_dist", 1)
-
-    def save(self, sharded_state_dict, checkpoint_dir):
-        request = self.async_save(sharded_state_dict, checkpoint_dir)
-        if request.async_fn is not None:  # None: nothing to write on this rank
-            forked = request.async_fn
-            if getattr(forked, "func", None) is not FileSystemWriterAsync.write_preloaded_data_multiproc:
-                raise RuntimeError(
-                    "megatron-core's torch_dist writer is not the one InProcessTorchDistSave replaces "
-                    "(megatron-core 0.16's write_preloaded_data_multiproc); check this class against the "
-                    "installed megatron-core")
-            request = request._replace(async_fn=functools.partial(_write_buckets_in_this_process, *forked.args))
-        request.execute_sync()
-
-
 def save_checkpoint(root: str, iteration: int, model, optimizer=None, common: Optional[dict] = None,
                     rank_files: Optional[dict] = None) -> str:
     """Save on every rank (collective); returns the checkpoint directory.
@@ -129,7 +81,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer=None, common: Op
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd)
     state["common"] = {"format": FORMAT, "iteration": iteration, **(common or {})}
-    dist_checkpointing.save(state, path, sharded_strategy=InProcessTorchDistSave())
+    dist_checkpointing.save(state, path, sharded_strategy=torch_dist_save_strategy())
     torch.save(rng_state(), os.path.join(path, f"rng_rank{_rank()}.pt"))
     for name, value in (rank_files or {}).items():
         torch.save(value, rank_file(path, name))

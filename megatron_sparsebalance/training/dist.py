@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_sparsebalance.compat import initialize_model_parallel
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -44,7 +46,7 @@ def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+        initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
     elif (parallel_state.get_tensor_model_parallel_world_size(),
           parallel_state.get_pipeline_model_parallel_world_size()) != (tensor_parallel_size, pipeline_parallel_size):
         raise ValueError(
@@ -52,20 +54,23 @@ def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
             f"{pipeline_parallel_size} differ from this process's model-parallel groups "
             f"({parallel_state.get_tensor_model_parallel_world_size()} / "
             f"{parallel_state.get_pipeline_model_parallel_world_size()}): destroy them first")
-    if torch.cuda.is_available():
-        # Every call, also when the groups already exist (several runs in one process): a run
-        # starts from the seeded tracker, so its weights do not depend on the runs before it.
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # Every call, also when the groups already exist (several runs in one process): a run starts
+    # from its seed, so its weights do not depend on the runs before it.
+    seed_everything(seed)
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python's ``random``, NumPy's global generator and torch's, as Megatron-LM's ``--seed``
-    does (its ``_set_random_seed``); the GPU's RNG tracker is seeded by :func:`init_distributed`."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    """Megatron-LM's meaning of ``--seed``: Python's, NumPy's, torch's and megatron-core's CUDA RNG
+    tracker, each stage at ``seed + 100 * pipeline rank`` (Megatron-LM's ``_set_random_seed``), so a
+    run starts from the same weights in both entries (standalone and Megatron-LM's loop)."""
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
 def destroy_distributed() -> None:

@@ -424,13 +424,7 @@ def replica_local_ddp_groups():
     of one: the gradients stay the replica's own, scaled by 1/1, while ``finalize_model_grads``
     still all-reduces tied embeddings across pipeline stages over the real embedding group.
     """
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron_sparsebalance.compat import replica_local_process_groups
 
     own, _ = dist.new_subgroups(group_size=1)  # collective: every rank builds every singleton
-    pg = ProcessGroupCollection()
-    pg.dp = pg.dp_cp = pg.expt_dp = own
-    pg.tp = parallel_state.get_tensor_model_parallel_group()
-    pg.pp = parallel_state.get_pipeline_model_parallel_group()
-    pg.ep = parallel_state.get_expert_model_parallel_group()
-    return pg
+    return replica_local_process_groups(own)

@@ -22,6 +22,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
 from megatron_sparsebalance.balance.dst import CoverageFloor, DSTConfig
+from megatron_sparsebalance.balance.feedback import calibrate_latency, learn_coverage_floor
 from megatron_sparsebalance.pipeline.schedule import PipelinePlan, forward_backward_sparsebalance
 from megatron_sparsebalance.pipeline.timeline import IterationMetrics
 from megatron_sparsebalance.training.model import ModelShape, RecomputeSettings, build_gpt_model, transformer_config
@@ -191,7 +192,7 @@ class Trainer:
             forward_step_func=gpt_forward_step, data_iterator=iter([b.to(self.device) for b in batches]),
             model=[self.model], num_microbatches=len(batches), plan=plan,
         )
-        loss = self._loss_on_every_rank(reports)
+        loss, lm_loss = self._loss_on_every_rank(reports)
         # A non-finite loss or gradient skips the update (counted by the caller); megatron-core's
         # optimizer only checks for that itself under fp16 loss scaling.
         grad_norm = self.optimizer.get_grad_norm() if math.isfinite(loss) else float("nan")
@@ -209,32 +210,26 @@ class Trainer:
         # steps must stay aligned across them.
         outer = self.outer.after_inner_step() if self.outer is not None else None
         comm = {"bytes_sent": outer["bytes_sent"] if outer else self.ddp_step_bytes, "outer_step": outer is not None}
-        return StepResult(loss, grad_norm, not ok, plan, plan.measured, dst_ms, extra={"comm": comm})
+        return StepResult(loss, grad_norm, not ok, plan, plan.measured, dst_ms, extra={"comm": comm, "lm_loss": lm_loss})
 
-    def _loss_on_every_rank(self, reports) -> float:
-        """The last stage's mean loss, averaged over DP ranks and known to every rank; with
-        --calculate-per-token-loss the global batch's loss sum over its tokens, as Megatron-LM logs it."""
-        if self.config.calculate_per_token_loss:
-            sums = torch.tensor([sum(float(r["loss_sum"]) for r in reports), sum(int(r["tokens"]) for r in reports)],
-                                dtype=torch.float64, device=self.device)
-            dist.all_reduce(sums)  # only last-stage ranks contribute; TP ranks hold the same sums
-            return float(sums[0]) / max(1.0, float(sums[1]))
-        value = torch.tensor([mean_loss(reports) if reports else 0.0], dtype=torch.float64, device=self.device)
+    def _loss_on_every_rank(self, reports) -> tuple:
+        """The last stage's loss known to every rank, two ways: the mean of the micro-batches'
+        per-token losses averaged over DP ranks (what the schedule's normalization weights), and
+        Megatron-LM's logged ``lm loss`` (loss sum / loss tokens over the global batch)."""
+        local = [mean_loss(reports), sum(float(r["loss_sum"]) for r in reports), sum(int(r["tokens"]) for r in reports)]
+        value = torch.tensor(local if reports else [0.0, 0.0, 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(value)
         holders = parallel_state.get_data_parallel_world_size() * parallel_state.get_tensor_model_parallel_world_size()
-        return float(value) / holders
+        lm_loss = float(value[1] / value[2]) if value[2] > 0 else float("nan")
+        if self.config.calculate_per_token_loss:
+            # --calculate-per-token-loss: the schedule weighted every token alike, so the loss it
+            # trained on is the global batch's loss sum over its tokens.
+            return lm_loss, lm_loss
+        return float(value[0]) / holders, lm_loss
 
     def _learn_floor(self, metrics: IterationMetrics) -> None:
-        # The gathered budgets cover every DP rank's micro-batches, so every rank learns the same.
-        asked = [mb for plan in self._plans for mb in plan.micro_batches]
-        for mb, used in zip(asked, metrics.budgets):
-            if mb.budget < self.dst.k_base and used > 0:
-                self.coverage_floor.observe(mb.lengths, mb.budget, used)
+        learn_coverage_floor(self.coverage_floor, self._plans, metrics, self.dst.k_base)
 
     def _calibrate(self, micro_batch_lengths, metrics: IterationMetrics) -> None:
-        # Every rank sees the same gathered metrics, so every rank's model stays identical.
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        flat = [lengths for rank in micro_batch_lengths for lengths in rank]
-        for lengths, used, ms in zip(flat, metrics.budgets, metrics.micro_batch_ms):
-            if used > 0:
-                self.latency_model.observe(lengths, max(1, round(used)), ms / pp)
+        calibrate_latency(self.latency_model, micro_batch_lengths, metrics,
+                          parallel_state.get_pipeline_model_parallel_world_size())

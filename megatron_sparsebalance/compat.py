@@ -1,0 +1,177 @@
+"""Every difference between the megatron-core versions we run on, in one module.
+
+Supported: megatron-core 0.16.1 (Python 3.11: the CPU machines and CI) and 0.17 - 0.19.x
+(Python >= 3.12: the GPU machines; 0.19's wheel ships Megatron-LM's own ``megatron.training``).
+The rest of the package imports what differs from here, so a new release is one module to read.
+
+What changed between them, and where it matters to us:
+
+- ``dist_checkpointing``'s ``torch_dist`` writer: 0.16 forks one process per bucket at every save
+  (see :func:`torch_dist_save_strategy`); 0.17+ writes from threads, and its ``async_save``
+  defaults to NVIDIA Resiliency Extension's queue, which a synchronous save does not need.
+- ``ProcessGroupCollection``: 0.19 returns None for a declared group that was never set, and a
+  None group means the whole world to torch.distributed (:func:`replica_local_process_groups`).
+- ``initialize_model_parallel`` gained positional parameters after ``expert_model_parallel_size``
+  in 0.19: :func:`initialize_model_parallel` passes keywords only.
+- ``megatron.training`` exists from 0.19's wheel on (:data:`HAVE_MEGATRON_TRAINING`); its
+  ``initialize_megatron`` rebuilds the dataset helpers with ``make``, which the wheel (whose
+  helpers are prebuilt, and which has no Makefile) cannot do (:func:`use_prebuilt_dataset_helpers`).
+- Not used by this package, so not wrapped here: ``schedules.backward_step`` lost ``model_type``
+  (0.17), ``set_current_microbatch`` moved to ``transformer/cuda_graphs.py`` (0.17),
+  ``ModelType.encoder_and_decoder`` is gone (0.17), ``get_batch_on_this_cp_rank`` takes
+  ``is_hybrid_cp`` (0.18). Our schedule and data path do not call them.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import queue
+from concurrent.futures import ThreadPoolExecutor
+
+from megatron.core import package_info
+
+MEGATRON_CORE_VERSION: str = package_info.__version__
+MEGATRON_CORE: tuple = tuple(int(x) for x in MEGATRON_CORE_VERSION.split(".")[:2])
+"""(major, minor) of the installed megatron-core."""
+
+HAVE_MEGATRON_TRAINING: bool = importlib.util.find_spec("megatron.training") is not None
+"""Megatron-LM's training package (``megatron.training``) is importable: 0.19's wheel, or a
+Megatron-LM checkout on the path."""
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def _forking_writer():
+    """0.16's forking bucket writer, or None where the installed writer uses threads."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    return getattr(FileSystemWriterAsync, "write_preloaded_data_multiproc", None)
+
+
+def _write_buckets_in_this_process(transform_list, use_msc, rank, write_buckets, results_queue) -> None:
+    """Write this rank's buckets from threads of the calling process, one per bucket as
+    megatron-core 0.16 forks one process per bucket (the file writes release the GIL), and hand
+    the results over as its forked writer does: one dict per save, or the first exception."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    def write(index, bucket):
+        done, count = queue.Queue(), queue.Queue()
+        count.put(index)  # the writer takes one item off and marks it done, as its forked worker would
+        FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, done, count, use_fsync=True,
+                                                   use_msc=use_msc)
+        return done.get_nowait()[1]
+
+    with ThreadPoolExecutor(max_workers=max(1, len(write_buckets))) as pool:
+        written = list(pool.map(write, range(len(write_buckets)), write_buckets))
+    failed = [w for w in written if isinstance(w, Exception)]
+    results_queue.put(failed[0] if failed else dict(enumerate(written)))
+
+
+@functools.lru_cache(maxsize=None)
+def _in_process_strategy_class():
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    multiproc = _forking_writer()
+
+    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+        """megatron-core 0.16's ``torch_dist`` format, written by the calling process.
+
+        0.16's writer forks one process per bucket at every save. A fork copies the locks that
+        the parent's other threads (gloo, NCCL, queue feeders) hold at that instant, and a child
+        that needs one waits forever, and so does its parent in ``count_queue.join()``: the CPU
+        suite once hung there until CI's time ran out. 0.17 replaced the fork with threads; for
+        0.16 the buckets are written here, one thread each. The files and the metadata are the
+        same; only what writes them differs.
+        """
+
+        def __init__(self):
+            super().__init__("torch_dist", 1)
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            request = self.async_save(sharded_state_dict, checkpoint_dir)
+            if request.async_fn is not None:  # None: nothing to write on this rank
+                forked = request.async_fn
+                if getattr(forked, "func", None) is not multiproc:
+                    raise RuntimeError(
+                        f"megatron-core {MEGATRON_CORE_VERSION}'s torch_dist writer is not the one "
+                        "InProcessTorchDistSave replaces (0.16's write_preloaded_data_multiproc)")
+                request = request._replace(async_fn=functools.partial(_write_buckets_in_this_process, *forked.args))
+            request.execute_sync()
+
+    return InProcessTorchDistSave
+
+
+def torch_dist_save_strategy():
+    """A synchronous ``torch_dist`` save strategy that never forks the training process."""
+    if _forking_writer() is not None:
+        return _in_process_strategy_class()()
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    # 0.17+: its synchronous ``save`` writes from threads of this process already.
+    return TorchDistSaveShardedStrategy("torch_dist", 1)
+
+
+# ---- process groups --------------------------------------------------------------------------
+
+# The data-parallel groups of a ProcessGroupCollection, as DDP and the distributed optimizer read
+# them (the names that one version lacks are skipped).
+_DATA_PARALLEL_GROUPS = ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp", "dp_cp_gtp_remat",
+                         "expt_dp_gtp_remat", "dp_cp_ag", "expt_dp_ag", "inter_dist_opt", "intra_dist_opt")
+
+
+def replica_local_process_groups(own_group):
+    """megatron-core's process groups with every data-parallel group replaced by ``own_group``.
+
+    Built from every group parallel_state has, not from an empty collection: 0.19 answers None
+    for a group never set, and torch.distributed takes a None group for the whole world, so a
+    collection with only the groups we thought of would make DDP reduce over every rank.
+    """
+    from dataclasses import fields
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    names = {f.name for f in fields(ProcessGroupCollection)}
+    pg = ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=[n for n in ("tp", "pp", "mp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp", "embd",
+                                  "pos_embd", "tp_dp_cp") if n in names])
+    for name in _DATA_PARALLEL_GROUPS:
+        if name in names:
+            setattr(pg, name, own_group)
+    return pg
+
+
+def initialize_model_parallel(tensor_parallel_size: int, pipeline_parallel_size: int, **kwargs) -> None:
+    """``parallel_state.initialize_model_parallel`` by keywords (0.19 inserted positional ones)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
+                                             pipeline_model_parallel_size=pipeline_parallel_size, **kwargs)
+
+
+# ---- Megatron-LM's training package -----------------------------------------------------------
+
+
+def use_prebuilt_dataset_helpers() -> None:
+    """Make ``megatron.training``'s start-up use the dataset helpers the wheel ships prebuilt.
+
+    ``initialize_megatron`` runs ``make -C megatron/core/datasets`` on rank 0 (``compile_helpers``);
+    the wheel has no Makefile there, so ``make`` fails and the job exits. The helpers are already
+    compiled in the wheel: checking that they import is all that start-up needs. Idempotent.
+    """
+    from megatron.core.datasets import utils
+
+    if getattr(utils.compile_helpers, "_sparsebalance_prebuilt", False):
+        return
+
+    def compile_helpers():
+        # Nothing to build. A dataset that needs the helpers and finds none (a source checkout
+        # that was never built) fails at its own import with megatron-core's message.
+        pass
+
+    compile_helpers._sparsebalance_prebuilt = True
+    utils.compile_helpers = compile_helpers
+
+
+__all__ = ["HAVE_MEGATRON_TRAINING", "MEGATRON_CORE", "MEGATRON_CORE_VERSION", "initialize_model_parallel",
+           "replica_local_process_groups", "torch_dist_save_strategy", "use_prebuilt_dataset_helpers"]

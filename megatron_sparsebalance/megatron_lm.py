@@ -1,0 +1,473 @@
+"""SparseBalance inside Megatron-LM's own training loop (``megatron.training``).
+
+Launch like Megatron-LM's ``pretrain_gpt.py``, with its flags plus ours::
+
+    torchrun --nproc_per_node 2 -m megatron_sparsebalance.megatron_lm \\
+        --num-layers 24 --hidden-size 896 ... --pipeline-model-parallel-size 2 --transformer-impl local \\
+        --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \\
+        --dst-anchor mean --dst-p 0.1 --batching sab
+
+(or ``examples/pretrain_gpt_megatron_lm.py``). Megatron-LM parses and validates the arguments,
+builds the optimizer and DDP, runs the loop, schedules the learning rate, saves and resumes, and
+logs. Our parts go in at its seams, installed once by :func:`install`:
+
+- flags: :func:`add_sparsebalance_args` is the ``extra_args_provider``; it adds the fields of our
+  dataclasses that Megatron-LM does not already have (the same ones the standalone entry reads);
+- layer spec: :func:`model_provider` builds megatron-core's ``GPTModel`` from Megatron-LM's
+  ``TransformerConfig`` with our core attention in the ``core_attention`` slot;
+- data: :func:`datasets_provider` returns a :class:`GlobalBatchStream` (``--dataloader-type
+  external``): SAB's plan of each global batch, drawn by the schedule;
+- schedule: Megatron-LM's loop takes its ``forward_backward_func`` from
+  ``get_forward_backward_func``; :func:`install` points that name at :class:`SparseBalanceSchedule`,
+  which plans DST's budgets, runs our 1F1B, and learns from the measured times;
+- log line and TensorBoard: our figures go into the loss reports of the last stage, which
+  Megatron-LM averages over the log interval, prints in its iteration line and writes to
+  TensorBoard (``sb imbalance``, ``sb bubble``, ``sb predicted ms``, ``sb measured ms``,
+  ``sb mean budget``, ``sb coverage``);
+- checkpoints: Megatron-LM's own; the balancer's state (sample order, SAB's estimator, latency
+  calibration, DST's coverage floor) is written beside them as ``sparsebalance.pt`` in the
+  iteration directory before Megatron-LM writes the rest, and read back on ``--load``.
+
+Needs ``megatron.training`` (megatron-core 0.19's wheel ships it). With megatron-core 0.16, use the
+standalone entry ``python -m megatron_sparsebalance.pretrain`` (same flags, same meaning).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from megatron_sparsebalance.balance.feedback import calibrate_latency, learn_coverage_floor
+from megatron_sparsebalance.compat import HAVE_MEGATRON_TRAINING, MEGATRON_CORE, MEGATRON_CORE_VERSION
+from megatron_sparsebalance.config import GROUPS, SparseBalanceConfig, add_arguments
+from megatron_sparsebalance.data.datasets import MOCK_VOCAB_SIZE
+
+# Our groups Megatron-LM's parser lacks entirely; of "data" only the fields it lacks are added.
+_OUR_GROUPS = ("sparse", "dst", "latency", "batching", "data")
+STATE_FILE = "sparsebalance.pt"
+METRICS_FILE = "sparsebalance_metrics.jsonl"
+_MARKER = "_sparsebalance_installed"
+
+
+def add_sparsebalance_args(parser):
+    """Megatron-LM's ``extra_args_provider``: our flags, from the dataclasses both entries read."""
+    return add_arguments(parser, groups={name: GROUPS[name] for name in _OUR_GROUPS}, skip_existing=True,
+                         flat_dest=True)
+
+
+# ---- Megatron-LM's arguments -> our configuration ---------------------------------------------
+
+
+def _from_args(cls, args, **override):
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values.update(override)
+    for key, value in values.items():
+        if isinstance(value, list):
+            values[key] = tuple(value)
+    return cls(**values)
+
+
+def _single_path(args, name: str) -> Optional[str]:
+    paths = getattr(args, name, None)
+    if not paths:
+        return None
+    if len(paths) != 1:
+        raise ValueError(f"--{name.replace('_', '-')}: SparseBalance packs samples from one dataset; blends of "
+                         f"several ({len(paths)} given) are not supported")
+    return paths[0]
+
+
+def config_from_megatron_args(args) -> SparseBalanceConfig:
+    """Our configuration read from Megatron-LM's parsed and validated arguments.
+
+    Megatron-LM's own fields (shape, parallel layout, batch sizes, optimizer) keep their
+    Megatron-LM names and values; ours come from :func:`add_sparsebalance_args`.
+    """
+    cfg = SparseBalanceConfig()
+    for name, cls in GROUPS.items():
+        if name == "model":
+            continue
+        setattr(cfg, name, _from_args(cls, args))
+    cfg.data = _from_args(GROUPS["data"], args, data_path=_single_path(args, "data_path"),
+                          valid_data_path=_single_path(args, "valid_data_path"),
+                          mock_vocab_size=min(args.mock_vocab_size or MOCK_VOCAB_SIZE, args.padded_vocab_size))
+    cfg.model = _from_args(GROUPS["model"], args, vocab_size=args.padded_vocab_size,
+                           untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+    return cfg
+
+
+def _refuse_what_we_cannot_run(args) -> None:
+    """Megatron-LM features our schedule or data path does not implement, refused by name."""
+    checks = (
+        (getattr(args, "virtual_pipeline_model_parallel_size", None) not in (None, 1),
+         "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: the interleaved "
+         "schedule is not implemented by SparseBalance's 1F1B"),
+        (getattr(args, "context_parallel_size", 1) != 1,
+         "--context-parallel-size > 1: context parallelism runs inside Transformer Engine's attention, which our "
+         "sparse core attention replaces"),
+        (getattr(args, "use_legacy_models", False), "--use-legacy-models: our core attention needs megatron-core models"),
+        (args.dataloader_type not in (None, "external"),
+         f"--dataloader-type {args.dataloader_type}: SAB draws each global batch itself (external)"),
+    )
+    for bad, why in checks:
+        if bad:
+            raise ValueError(f"megatron_sparsebalance.megatron_lm: {why}")
+
+
+def _without_missing_fusions(args) -> list:
+    """Turn off the fused kernels whose packages are not installed, and say which.
+
+    Megatron-LM defaults to Transformer Engine's fused RoPE and apex's gradient-accumulation
+    fusion and persistent layer norm; without those packages its first step fails. These are
+    defaults, not a user's choice, so they are switched off with a printed note (a flag the user
+    gave is never changed: ``--rope-fusion``-style flags only turn things off).
+    """
+    import importlib.util
+
+    have = {name: importlib.util.find_spec(name) is not None for name in ("transformer_engine", "apex")}
+    notes = []
+    if not have["transformer_engine"] and getattr(args, "apply_rope_fusion", False):
+        args.apply_rope_fusion = False
+        notes.append("--no-rope-fusion (fused RoPE needs Transformer Engine)")
+    if not have["apex"] and getattr(args, "gradient_accumulation_fusion", False):
+        args.gradient_accumulation_fusion = False
+        notes.append("--no-gradient-accumulation-fusion (needs apex)")
+    if not have["apex"] and not getattr(args, "no_persist_layer_norm", True):
+        args.no_persist_layer_norm = True
+        notes.append("--no-persist-layer-norm (needs apex)")
+    if getattr(args, "masked_softmax_fusion", False):
+        # Our core attention computes its own softmax; Megatron-LM's fused masked softmax
+        # (scaled_masked_softmax_cuda, not in the wheel) is never used by it.
+        args.masked_softmax_fusion = False
+        notes.append("--no-masked-softmax-fusion (the sparse core attention has its own softmax)")
+    if getattr(args, "transformer_impl", "local") == "transformer_engine" and not have["transformer_engine"]:
+        raise ValueError("--transformer-impl transformer_engine: Transformer Engine is not installed; "
+                         "use --transformer-impl local")
+    return notes
+
+
+def parse_megatron_args(argv=None):
+    """Megatron-LM's arguments with ours added, checked for what SparseBalance needs, validated,
+    and installed as Megatron-LM's global arguments."""
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables
+
+    saved_argv = sys.argv
+    if argv is not None:
+        sys.argv = [saved_argv[0], *argv]
+    try:
+        args = parse_args(extra_args_provider=add_sparsebalance_args)
+    finally:
+        sys.argv = saved_argv
+    _refuse_what_we_cannot_run(args)
+    args.dataloader_type = "external"
+    notes = _without_missing_fusions(args)
+    if args.use_checkpoint_args:
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
+        load_args_from_checkpoint(args)
+    validate_args(args, {})
+    set_global_variables(args)
+    if args.rank == 0 and notes:
+        print("megatron_sparsebalance: without the packages they need, turned off " + "; ".join(notes), flush=True)
+    return args
+
+
+# ---- the parts Megatron-LM calls --------------------------------------------------------------
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """megatron-core's GPTModel with our core attention (Megatron-LM's ``model_provider`` seam)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.training import get_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from megatron_sparsebalance.attention.spec import get_gpt_layer_spec
+
+    args = get_args()
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    spec = get_gpt_layer_spec(_state_config(args).sparse, normalization=args.normalization,
+                              qk_layernorm=getattr(args, "qk_layernorm", False),
+                              use_transformer_engine=args.transformer_impl == "transformer_engine")
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+
+
+def forward_step(data_iterator, model):
+    """Megatron-LM's ``forward_step_func`` for our packed (THD) micro-batches.
+
+    The report is Megatron-LM's ``{"lm loss": [loss sum, tokens]}``, which its loop averages over
+    the tokens of the global batch.
+    """
+    from megatron_sparsebalance.training.step import gpt_forward_step
+
+    output, loss_func = gpt_forward_step(data_iterator, model)
+
+    def megatron_lm_loss(per_token_loss):
+        loss, tokens, _ = loss_func(per_token_loss)
+        return loss, tokens, {"lm loss": torch.stack([loss.detach().clone(), tokens.detach().to(loss.dtype)])}
+
+    return output, megatron_lm_loss
+
+
+class GlobalBatchStream:
+    """Megatron-LM's data iterator (``--dataloader-type external``): SAB's plan per global batch.
+
+    Megatron-LM hands it to ``forward_backward_func`` every iteration; :class:`SparseBalanceSchedule`
+    draws one global batch from it (every rank draws the same plan) and feeds its own micro-batches
+    to ``forward_step``. Iterating it directly is an error: micro-batches only make sense inside a
+    planned global batch.
+    """
+
+    def __init__(self, dataset, sampler, dp_rank: int):
+        self.dataset, self.sampler, self.dp_rank = dataset, sampler, dp_rank
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise TypeError("the SparseBalance data stream is drawn per global batch by SparseBalanceSchedule; "
+                        "install() must run before Megatron-LM builds its training loop")
+
+    def next_global_batch(self):
+        plan = self.sampler.next_plan()
+        lengths = [[plan.micro_batch_lengths(r, j) for j in range(plan.num_micro_batches)] for r in range(plan.dp_size)]
+        return plan, lengths, self.sampler.micro_batches(self.dataset, plan, self.dp_rank)
+
+
+class _RunState:
+    """What the balancer carries across iterations in Megatron-LM's loop (one per process)."""
+
+    def __init__(self, args):
+        from megatron.core import parallel_state
+
+        from megatron_sparsebalance.balance.dst import CoverageFloor
+        from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
+        from megatron_sparsebalance.data.datasets import build_dataset, build_validation_dataset
+        from megatron_sparsebalance.data.sampler import GlobalBatchSampler
+        from megatron_sparsebalance.pretrain import build_latency_model
+
+        self.cfg = cfg = config_from_megatron_args(args)
+        cfg.sparse.validate()
+        cfg.batching.validate(cfg.data.seq_length)
+        cfg.dst_config().validate()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
+        self.latency = build_latency_model(cfg, self.device)
+        self.dst = cfg.dst_config()
+        self.coverage_floor = CoverageFloor() if self.dst.anchor != "none" and self.dst.p is not None else None
+        per_rank = args.global_batch_size // (args.micro_batch_size * self.dp)
+
+        def stream(dataset, seed):
+            batcher = SparsityAwareBatcher(cfg.batching.batching, self.dp, per_rank, latency_model=self.latency,
+                                           k_base=cfg.sparse.moba_topk, micro_batch_tokens=cfg.batching.micro_batch_tokens,
+                                           order=cfg.batching.micro_batch_order)
+            sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_size, batcher, seed=seed)
+            return GlobalBatchStream(dataset, sampler, self.dp_rank)
+
+        self.train = stream(build_dataset(cfg.data), cfg.data.seed)
+        self.valid = None
+        if args.eval_iters and (cfg.data.valid_data_path or cfg.data.mock_data):
+            self.valid = stream(build_validation_dataset(cfg.data, args.eval_iters * args.global_batch_size),
+                                cfg.data.seed)
+        self.iteration = args.iteration  # training global batches run so far (resumed: the checkpoint's)
+        # Our figures and the exact loss of every iteration, one JSON row each (the last pipeline
+        # stage's first DP rank writes): beside the checkpoints, else the TensorBoard logs.
+        log_dir = args.save or args.tensorboard_dir
+        self.jsonl_path = os.path.join(log_dir, METRICS_FILE) if log_dir else None
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.train.sampler.state_dict(), "latency": self.latency.calibration_state(),
+                **({"dst_floor": self.coverage_floor.state_dict()} if self.coverage_floor is not None else {})}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.train.sampler.load_state_dict(state["sampler"])
+        self.latency.load_calibration(state["latency"])
+        if self.coverage_floor is not None and "dst_floor" in state:
+            self.coverage_floor.load_state_dict(state["dst_floor"])
+
+
+_STATE: Optional[_RunState] = None
+
+
+def _state_config(args) -> SparseBalanceConfig:
+    return _STATE.cfg if _STATE is not None else config_from_megatron_args(args)
+
+
+def _iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")  # Megatron-LM's layout
+
+
+def datasets_provider(train_valid_test_num_samples):
+    """Megatron-LM's dataset provider: our streams (train, validation; no test split)."""
+    global _STATE
+    from megatron.training import get_args
+
+    args = get_args()
+    _STATE = _RunState(args)
+    if args.load and args.iteration > 0:
+        path = os.path.join(_iteration_dir(args.load, args.iteration), STATE_FILE)
+        if not os.path.exists(path):
+            raise ValueError(f"--load {args.load}: iteration {args.iteration} has no {STATE_FILE} (not saved by "
+                             "megatron_sparsebalance.megatron_lm); the data order and balancer state cannot be resumed")
+        _STATE.load_state_dict(torch.load(path, weights_only=False))
+    return _STATE.train, _STATE.valid, None
+
+
+datasets_provider.is_distributed = True  # every rank builds the same streams itself (no broadcast)
+
+
+def _figures(metrics, pp: int) -> dict:
+    """Our per-iteration figures, as Megatron-LM's loss reports carry them (one number each)."""
+    return {
+        "sb imbalance": metrics.imbalance,
+        "sb bubble": sum(metrics.bubble) / len(metrics.bubble),
+        "sb predicted ms": (sum(metrics.predicted_ms) / pp if metrics.predicted_ms and None not in metrics.predicted_ms
+                            else float("nan")),
+        "sb measured ms": metrics.iteration_ms,
+        "sb mean budget": sum(metrics.budgets) / len(metrics.budgets) if metrics.budgets else float("nan"),
+        "sb coverage": sum(metrics.coverage) / len(metrics.coverage) if metrics.coverage else float("nan"),
+    }
+
+
+class SparseBalanceSchedule:
+    """Megatron-LM's ``forward_backward_func``: one global batch planned by SAB and DST, run by our 1F1B."""
+
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length=None,
+                 micro_batch_size=None, decoder_seq_length=None, forward_only=False, **unused):
+        from megatron_sparsebalance.pipeline.schedule import forward_backward_sparsebalance
+        from megatron_sparsebalance.training.step import pipeline_plans
+
+        if _STATE is None:
+            raise RuntimeError("SparseBalanceSchedule runs on the streams of megatron_lm.datasets_provider")
+        if isinstance(data_iterator, list):
+            if len(data_iterator) != 1:
+                raise ValueError("the interleaved schedule is not supported: one model chunk per stage")
+            data_iterator = data_iterator[0]
+        stream = getattr(data_iterator, "iterable", data_iterator)  # Megatron-LM's RerunDataIterator
+        if not isinstance(stream, GlobalBatchStream):
+            raise TypeError(f"SparseBalanceSchedule needs megatron_lm.datasets_provider's stream, got {type(stream)}")
+        state = _STATE
+        sample_plan, lengths, batches = stream.next_global_batch()
+        if sample_plan.num_micro_batches != num_microbatches:
+            raise ValueError(f"SAB planned {sample_plan.num_micro_batches} micro-batches per rank, Megatron-LM's loop "
+                             f"expects {num_microbatches}")
+        # Evaluation runs every layer at --moba-topk, as the standalone entry's evaluator does.
+        dst = dataclasses.replace(state.dst, anchor="none") if forward_only else state.dst
+        plans = pipeline_plans(lengths, state.cfg.model_shape().hidden_size, dst,
+                               None if forward_only else state.latency, state.pp,
+                               None if forward_only else state.coverage_floor, state.dp_rank)
+        plan = plans[state.dp_rank]
+        plan.measure = not forward_only
+        reports = forward_backward_sparsebalance(
+            forward_step_func=forward_step_func, data_iterator=iter([b.to(state.device) for b in batches]),
+            model=model, num_microbatches=len(batches), plan=plan, forward_only=forward_only)
+        if forward_only or plan.measured is None:
+            return reports
+        metrics = plan.measured
+        calibrate_latency(state.latency, lengths, metrics, state.pp)
+        if state.coverage_floor is not None:
+            learn_coverage_floor(state.coverage_floor, plans, metrics, state.dst.k_base)
+        if state.cfg.sparse.sparse_attention:
+            per_rank = [metrics.budgets[r * num_microbatches:(r + 1) * num_microbatches] for r in range(state.dp)]
+            stream.sampler.update(sample_plan, per_rank)
+        state.iteration += 1
+        figures = _figures(metrics, state.pp)
+        for report in reports:
+            for key, value in figures.items():
+                report[key] = torch.tensor([value], dtype=torch.float32, device=state.device)
+        if reports and state.jsonl_path:
+            _log_row(state, reports, figures)
+        return reports
+
+
+def _log_row(state: _RunState, reports, figures: dict) -> None:
+    """The iteration's loss as Megatron-LM computes it (loss sum / tokens over the DP group) and our
+    figures, to ``sparsebalance_metrics.jsonl``; ``lm_loss_hex`` is exact, for resume checks."""
+    import json
+
+    from megatron.core import parallel_state
+
+    total = torch.stack([r["lm loss"].double() for r in reports]).sum(dim=0)
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    loss = float(total[0] / total[1])
+    if state.dp_rank == 0:
+        os.makedirs(os.path.dirname(state.jsonl_path), exist_ok=True)
+        with open(state.jsonl_path, "a") as f:
+            f.write(json.dumps({"iteration": state.iteration, "lm_loss": loss, "lm_loss_hex": loss.hex(),
+                                **{k.replace(" ", "_"): v for k, v in figures.items()}}) + "\n")
+
+
+def _save_with_our_state(save_checkpoint):
+    def save(iteration, *args, **kwargs):
+        from megatron.training import get_args
+
+        megatron_args = get_args()
+        if _STATE is not None and megatron_args.save and torch.distributed.get_rank() == 0:
+            # Written before Megatron-LM's files: its tracker file, written last, is what makes
+            # the checkpoint the latest, so a checkpoint it names always has our state.
+            path = _iteration_dir(megatron_args.save, iteration)
+            os.makedirs(path, exist_ok=True)
+            tmp = os.path.join(path, STATE_FILE + ".tmp")
+            torch.save(_STATE.state_dict(), tmp)
+            os.replace(tmp, os.path.join(path, STATE_FILE))
+        return save_checkpoint(iteration, *args, **kwargs)
+
+    return save
+
+
+def install() -> None:
+    """Put our schedule and checkpoint state into Megatron-LM's loop. Idempotent; call before ``pretrain``."""
+    if not HAVE_MEGATRON_TRAINING:
+        raise RuntimeError(f"megatron_sparsebalance.megatron_lm needs Megatron-LM's training package (megatron.training, "
+                           f"in megatron-core 0.19's wheel); megatron-core {MEGATRON_CORE_VERSION} has none. Use "
+                           "python -m megatron_sparsebalance.pretrain")
+    from megatron.training import training
+
+    from megatron_sparsebalance.compat import use_prebuilt_dataset_helpers
+
+    if getattr(training, _MARKER, False):
+        return
+    use_prebuilt_dataset_helpers()
+    schedule = SparseBalanceSchedule()
+    training.get_forward_backward_func = lambda *args, **kwargs: schedule
+    training.save_checkpoint = _save_with_our_state(training.save_checkpoint)
+    setattr(training, _MARKER, True)
+
+
+def main(argv=None) -> int:
+    if not HAVE_MEGATRON_TRAINING or MEGATRON_CORE < (0, 19):
+        print(f"megatron_sparsebalance.megatron_lm: needs megatron-core >= 0.19 with megatron.training; found "
+              f"{MEGATRON_CORE_VERSION}. Use python -m megatron_sparsebalance.pretrain", file=sys.stderr)
+        return 2
+    from megatron.core.enums import ModelType
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.training import pretrain
+
+    install()
+    try:
+        args = parse_megatron_args(argv)
+    except ValueError as exc:
+        print(f"megatron_sparsebalance.megatron_lm: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder, forward_step,
+             model_provider=model_provider)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

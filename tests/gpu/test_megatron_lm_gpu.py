@@ -1,0 +1,47 @@
+"""Megatron-LM's own ``pretrain()`` with our plugin, on one GPU (megatron-core with megatron.training)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_sparsebalance.compat import HAVE_MEGATRON_TRAINING, MEGATRON_CORE
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+    pytest.mark.skipif(not HAVE_MEGATRON_TRAINING or MEGATRON_CORE < (0, 19), reason="needs megatron.training (0.19)"),
+]
+
+
+def test_megatron_lm_loop_trains_with_our_schedule_and_logs_our_figures(tmp_path):
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+
+    argv = SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "6", "--lr-decay-iters", "6",
+                                                    "--save", str(tmp_path), "--save-interval", "6"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_sparsebalance.megatron_lm",
+           *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    lines = [ln for ln in out.stdout.splitlines() if " iteration " in ln and "lm loss:" in ln]
+    assert len(lines) == 6 and all("sb imbalance:" in ln and "sb mean budget:" in ln for ln in lines), lines
+    rows = [json.loads(ln) for ln in open(os.path.join(tmp_path, "sparsebalance_metrics.jsonl"))]
+    assert [r["iteration"] for r in rows] == list(range(1, 7))
+    assert rows[-1]["lm_loss"] < rows[0]["lm_loss"]
+    # DST ran: the budgets the layers used moved off --moba-topk for some micro-batch.
+    assert any(abs(r["sb_mean_budget"] - 8) > 1e-6 for r in rows)
+    assert os.path.exists(os.path.join(tmp_path, "iter_0000006", "sparsebalance.pt"))
+
+
+def test_megatron_lm_entry_refuses_the_interleaved_schedule():
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+
+    argv = SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "2", "--pipeline-model-parallel-size", "1",
+                                                    "--num-layers-per-virtual-pipeline-stage", "1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_sparsebalance.megatron_lm",
+           *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "interleaved" in out.stdout + out.stderr

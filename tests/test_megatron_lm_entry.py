@@ -1,0 +1,34 @@
+"""The Megatron-LM entry where megatron.training is missing (megatron-core 0.16, CI) and the parts of
+it that need no training loop: our flags added to Megatron-LM's parser, our config read back."""
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from megatron_sparsebalance.compat import HAVE_MEGATRON_TRAINING, MEGATRON_CORE
+
+
+@pytest.mark.skipif(HAVE_MEGATRON_TRAINING and MEGATRON_CORE >= (0, 19), reason="megatron.training is installed")
+def test_without_megatron_training_the_entry_says_which_entry_to_use():
+    out = subprocess.run([sys.executable, "-m", "megatron_sparsebalance.megatron_lm", "--num-layers", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "megatron_sparsebalance.pretrain" in out.stderr and "0.19" in out.stderr
+
+
+def test_extra_args_provider_adds_only_the_flags_megatron_lm_lacks():
+    from megatron_sparsebalance.megatron_lm import add_sparsebalance_args
+
+    parser = argparse.ArgumentParser()
+    # Flags Megatron-LM owns (a few of them): ours must not redefine them.
+    for flag in ("--seq-length", "--mock-data", "--seed", "--data-path"):
+        parser.add_argument(flag)
+    add_sparsebalance_args(parser)
+    args = parser.parse_args(["--dst-anchor", "max", "--dst-p", "0.2", "--moba-topk", "16", "--batching", "lbb",
+                              "--mock-length-distribution", "bimodal", "--seq-length", "4096"])
+    assert (args.dst_anchor, args.dst_p, args.moba_topk, args.batching) == ("max", 0.2, 16, "lbb")
+    assert args.mock_length_distribution == "bimodal" and args.seq_length == "4096"
+    # Megatron-LM's own training flags are not ours to add.
+    for name in ("train_iters", "micro_batch_size", "lr", "pipeline_model_parallel_size", "save"):
+        assert not hasattr(args, name), name
