@@ -180,6 +180,9 @@ class ModelConfig:
             if missing:
                 raise ValueError(f"without --model, Megatron-LM's required flags must be given: {', '.join(missing)} "
                                  f"(or start from a preset: --model {{{','.join(sorted(MODEL_PRESETS))}}})")
+            if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"--hidden-size ({self.hidden_size}) must be a multiple of --num-attention-heads "
+                                 f"({self.num_attention_heads}) without --kv-channels (Megatron-LM's rule)")
         pet = self.position_embedding_type
         if pet in REFUSED_POSITION_EMBEDDINGS:
             raise ValueError(f"--position-embedding-type {pet} is not supported: {REFUSED_POSITION_EMBEDDINGS[pet]}; "

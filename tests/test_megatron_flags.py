@@ -139,6 +139,8 @@ def test_without_model_megatron_lm_defaults_apply():
 def test_the_default_attention_dropout_of_megatron_lm_is_refused_by_name():
     with pytest.raises(ValueError, match=r"Megatron-LM's default is 0.1: pass --attention-dropout 0"):
         parse_config(REQUIRED + ["--mock-data"]).validate(1)
+    with pytest.raises(ValueError, match=r"--hidden-size \(64\) must be a multiple of --num-attention-heads \(3\)"):
+        parse_config(REQUIRED + ["--mock-data", "--attention-dropout", "0", "--num-attention-heads", "3"]).validate(1)
 
 
 def test_architecture_flags_override_a_preset():
