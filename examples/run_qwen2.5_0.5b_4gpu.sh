@@ -10,4 +10,4 @@ torchrun --standalone --nproc_per_node 4 -m megatron_sparsebalance.pretrain \
     --moba-block-size 128 --moba-topk 32 --sparse-attn-impl auto \
     --dst-anchor mean --dst-p 0.1 --batching sab \
     --train-iters 200 --lr 1e-5 --min-lr 1e-6 --lr-warmup-iters 10 --clip-grad 1.0 \
-    --save checkpoints/qwen0.5b --save-interval 100 --tensorboard-dir tb/qwen0.5b "$@"
+    --save checkpoints/qwen0.5b --save-interval 100 --tensorboard-dir tb/qwen0.5b --log-throughput "$@"

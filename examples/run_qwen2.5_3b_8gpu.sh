@@ -16,4 +16,4 @@ torchrun --standalone --nproc_per_node 8 -m megatron_sparsebalance.pretrain \
     --moba-block-size 128 --moba-topk 32 --sparse-attn-impl triton \
     --dst-anchor mean --dst-p 0.1 --batching sab \
     --train-iters 200 --lr 1e-5 --min-lr 1e-6 --lr-warmup-iters 10 --clip-grad 1.0 \
-    --save checkpoints/qwen3b --save-interval 100 --tensorboard-dir tb/qwen3b "$@"
+    --save checkpoints/qwen3b --save-interval 100 --tensorboard-dir tb/qwen3b --log-throughput "$@"

@@ -8,4 +8,4 @@ OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 -m megatron_sparsebal
     --seq-length 4096 --mock-data --mock-length-distribution longtail --mock-vocab-size 512 \
     --moba-block-size 64 --moba-topk 8 --sparse-attn-impl torch \
     --dst-anchor mean --dst-p 0.1 --batching sab \
-    --train-iters 10 --lr 1e-3 --min-lr 1e-4 --log-interval 1 "$@"
+    --train-iters 10 --lr 1e-3 --min-lr 1e-4 --log-interval 1 --log-throughput "$@"

@@ -43,6 +43,7 @@ import torch
 from megatron_sparsebalance.balance.feedback import calibrate_latency, learn_coverage_floor
 from megatron_sparsebalance.compat import HAVE_MEGATRON_TRAINING, MEGATRON_CORE, MEGATRON_CORE_VERSION
 from megatron_sparsebalance.config import GROUPS, SparseBalanceConfig, add_arguments
+from megatron_sparsebalance.data.datasets import MOCK_VOCAB_SIZE
 
 # Our groups Megatron-LM's parser lacks entirely; of "data" only the fields it lacks are added.
 _OUR_GROUPS = ("sparse", "dst", "latency", "batching", "data")
@@ -92,7 +93,7 @@ def config_from_megatron_args(args) -> SparseBalanceConfig:
         setattr(cfg, name, _from_args(cls, args))
     cfg.data = _from_args(GROUPS["data"], args, data_path=_single_path(args, "data_path"),
                           valid_data_path=_single_path(args, "valid_data_path"),
-                          mock_vocab_size=min(args.mock_vocab_size, args.padded_vocab_size))
+                          mock_vocab_size=min(args.mock_vocab_size or MOCK_VOCAB_SIZE, args.padded_vocab_size))
     cfg.model = _from_args(GROUPS["model"], args, vocab_size=args.padded_vocab_size,
                            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
     return cfg

@@ -39,7 +39,13 @@ from megatron_sparsebalance.config import SparseBalanceConfig, build_parser, con
 from megatron_sparsebalance.data.datasets import build_dataset
 from megatron_sparsebalance.data.sampler import GlobalBatchSampler
 from megatron_sparsebalance.ops.implementations import resolve_impl
-from megatron_sparsebalance.training.checkpointing import latest_checkpoint, load_checkpoint, load_rank_file, save_checkpoint
+from megatron_sparsebalance.training.checkpointing import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_rank_file,
+    missing_tracker_warning,
+    save_checkpoint,
+)
 from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
 from megatron_sparsebalance.training.dist import init_distributed
 from megatron_sparsebalance.training.evaluate import Evaluator
@@ -81,6 +87,7 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
         # it was profiled on is not part of the match.
         for key in ("pre_process", "post_process"):
             expect.pop(key)
+        expect["model_shape"] = _shape_as_the_table_records_it(shape, cfg.latency.latency_table)
         model = LatencyModel.load(cfg.latency.latency_table, expect=expect, force=cfg.latency.latency_table_force)
     else:
         hardware = cfg.latency.latency_hardware
@@ -112,6 +119,18 @@ def _choose_pipeline_split(cfg: SparseBalanceConfig, shape, latency, lengths, is
               + f" against the even split's " + " ".join(f"{t:.1f}" for t in choice.even_stage_ms), flush=True)
 
 
+def _shape_as_the_table_records_it(shape, table_path: str) -> dict:
+    """The run's shape in the form of the table's record: tables profiled before ModelShape had its
+    later fields (normalization, swiglu, ...) match a shape whose later fields hold their defaults."""
+    try:
+        with open(table_path) as f:
+            recorded = json.load(f).get("metadata", {}).get("model_shape") or {}
+    except (OSError, ValueError, AttributeError):
+        recorded = {}
+    full = dataclasses.asdict(shape)
+    return {**shape.record(), **{k: full[k] for k in recorded if k in full}}
+
+
 def iteration_flops(cfg: SparseBalanceConfig, micro_batch_lengths, budgets) -> float:
     """FLOPs of one iteration (forward + backward), attention counted by the blocks computed.
 
@@ -123,7 +142,8 @@ def iteration_flops(cfg: SparseBalanceConfig, micro_batch_lengths, budgets) -> f
     s = cfg.model_shape()
     H, d, nq, ng, F = s.hidden_size, s.kv_channels, s.num_attention_heads, s.num_query_groups, s.ffn_hidden_size
     B = cfg.sparse.moba_block_size
-    linear_per_layer = H * (nq + 2 * ng) * d + nq * d * H + 3 * H * F
+    mlp_matrices = 3 if s.swiglu else 2  # gate, up, down / up, down
+    linear_per_layer = H * (nq + 2 * ng) * d + nq * d * H + mlp_matrices * H * F
     tokens = sum(sum(mb) for mb in micro_batch_lengths)
     dense = 6 * tokens * (s.num_layers * linear_per_layer + H * s.vocab_size)
     attention = 0.0
@@ -190,7 +210,9 @@ class Metrics:
             f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {r['iteration']:8d}/{total:8d} |"
             f" consumed samples: {r['consumed_samples']:12d} |"
             f" elapsed time per iteration (ms): {r['elapsed_ms']:.1f} |"
-            f" throughput per GPU (TFLOP/s/GPU): {r['tflops_per_gpu']:.3g} |"
+            # Megatron-LM prints the throughput only with --log-throughput.
+            + (f" throughput per GPU (TFLOP/s/GPU): {r['tflops_per_gpu']:.3g} |" if self.cfg.logging.log_throughput
+               else "") +
             f" learning rate: {r['lr']:.6E} |"
             f" global batch size: {self.cfg.training.global_batch_size:5d} |"
             f" lm loss: {r['loss']:.6E} |"
@@ -247,13 +269,14 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
         raise ValueError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)")
     enable_cpu_megatron()
     init_distributed(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
-                     cfg.parallel.distributed_backend, seed=cfg.data.seed)
+                     cfg.parallel.distributed_backend, seed=cfg.data.seed,
+                     timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     rank, dp_rank = dist.get_rank(), parallel_state.get_data_parallel_rank()
     dp = parallel_state.get_data_parallel_world_size()
     shape = cfg.model_shape()
     latency = build_latency_model(cfg, device)
-    dataset = build_dataset(cfg.data)
+    dataset = build_dataset(cfg.data, shape.vocab_size)
     if cfg.split.decoder_pipeline_split == "auto":
         _choose_pipeline_split(cfg, shape, latency, dataset.lengths, is_logger=rank == 0)
     batcher = SparsityAwareBatcher(cfg.batching.batching, dp, cfg.micro_batches_per_rank(world), latency_model=latency,
@@ -263,11 +286,16 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
                                    variable_micro_batches=cfg.batching.variable_micro_batches,
                                    count_objective=cfg.batching.micro_batch_count_objective)
     sampler = GlobalBatchSampler(dataset.lengths, cfg.training.global_batch_size, batcher, seed=cfg.data.seed)
+    first_stage_layers, last_stage_layers = cfg.end_stage_layers(shape)
     trainer = Trainer(shape, cfg.sparse, cfg.dst_config(), cfg.optim, max_sequence_length=cfg.data.seq_length,
                       bf16=cfg.training.bf16, latency_model=latency, dp_comm=cfg.dp_comm,
-                      first_stage_layers=cfg.parallel.decoder_first_pipeline_num_layers,
-                      last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers, recompute=cfg.recompute,
-                      calculate_per_token_loss=cfg.batching.variable_micro_batches)
+                      first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                      recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
+                      # A micro-batch count that changes between iterations is exact only with per-token
+                      # normalization, so --variable-micro-batches turns it on.
+                      calculate_per_token_loss=(cfg.training.calculate_per_token_loss
+                                                or cfg.batching.variable_micro_batches),
+                      use_transformer_engine=cfg.megatron_lm.transformer_impl == "transformer_engine")
     if cfg.dst.dst_growth == "critical-path" or cfg.batching.micro_batch_count_objective == "simulated":
         # Each stage's cost from the split (the last with the output layer), for DST's critical
         # path and the simulated micro-batch count; the same on every rank.
@@ -287,6 +315,8 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
     start = 0
     ck = cfg.checkpoint
     resume = latest_checkpoint(ck.load) if ck.load else None
+    if ck.load and resume is None and rank == 0:
+        print(f"WARNING: {missing_tracker_warning(ck.load)}", file=sys.stderr, flush=True)
     if resume is not None:
         common = load_checkpoint(resume, trainer.model, trainer.optimizer, optimizer_state=ck.load_optim)
         start = int(common["iteration"])
@@ -315,6 +345,9 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
             trainer.outer.load_state_dict(outer_state)
 
     log_dir = cfg.logging.log_dir or ck.save or cfg.logging.tensorboard_dir
+    if rank == 0:
+        for warning in cfg.warnings():
+            print(f"WARNING: {warning}", file=sys.stderr, flush=True)
     if rank == 0 and log_dir:
         cfg.write_json(os.path.join(log_dir, "config.json"))
     if rank == 0:
@@ -400,8 +433,9 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    cfg = config_from_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
     try:
+        cfg = config_from_args(args)
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as exc:
         # Every rank sees the same flags and fails here, before any process group: nobody hangs.

@@ -124,14 +124,28 @@ def check_pipeline_layout(num_layers: int, pipeline_parallel_size: int, what: Op
 
 
 def megatron_flags(shape: ModelShape) -> str:
-    """The Megatron-LM model flags of a shape (printed for the user and written to the checkpoint)."""
+    """The Megatron-LM model flags of a shape (printed for the user and written to the checkpoint).
+
+    Complete without ``--model``: ``pretrain`` given these flags alone builds exactly ``shape``
+    (Megatron-LM's defaults, which then apply, are overridden wherever the shape differs: dropout,
+    position embedding, norm, MLP, biases).
+    """
+    base = int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base  # Megatron-LM: int
     flags = [
         f"--num-layers {shape.num_layers}", f"--hidden-size {shape.hidden_size}",
         f"--ffn-hidden-size {shape.ffn_hidden_size}", f"--num-attention-heads {shape.num_attention_heads}",
         f"--group-query-attention --num-query-groups {shape.num_query_groups}", f"--kv-channels {shape.kv_channels}",
-        f"--vocab-size {shape.vocab_size}", "--position-embedding-type rope", f"--rotary-base {shape.rotary_base:g}",
-        "--normalization RMSNorm", f"--norm-epsilon {shape.norm_epsilon:g}", "--swiglu", "--disable-bias-linear",
+        f"--vocab-size {shape.vocab_size}", f"--position-embedding-type {shape.position_embedding_type}",
+        f"--rotary-base {base}", f"--normalization {shape.normalization}", f"--norm-epsilon {shape.norm_epsilon:g}",
+        f"--attention-dropout {shape.attention_dropout:g}", f"--hidden-dropout {shape.hidden_dropout:g}",
+        f"--init-method-std {shape.init_method_std:g}",
     ]
+    if shape.rotary_percent != 1.0:
+        flags.append(f"--rotary-percent {shape.rotary_percent:g}")
+    if shape.swiglu:
+        flags.append("--swiglu")
+    if not shape.add_bias_linear:
+        flags.append("--disable-bias-linear")
     if shape.add_qkv_bias:
         flags.append("--add-qkv-bias")
     if shape.untie_embeddings_and_output_weights:

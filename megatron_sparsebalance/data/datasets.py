@@ -38,6 +38,13 @@ from megatron_sparsebalance.data.synthetic import (
 )
 
 OVERLONG_MODES = ("truncate", "error")
+TOKENIZER_TYPES = ("NullTokenizer", "HuggingFaceTokenizer")
+# Megatron-LM's other --tokenizer-type values, refused by name.
+REFUSED_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
+                      "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
+                      "NullMultimodalTokenizer", "SFTTokenizer")
+# Mock token ids stay below this unless --mock-vocab-size says otherwise (and below the model's vocabulary).
+MOCK_VOCAB_SIZE = 32000
 MOCK_CONTENTS = ("random", "retrieval")
 SPLITS = ("train", "validation")
 # The validation split's seed: fixed, so that runs differing only in --seed are scored on the same
@@ -77,6 +84,8 @@ class TokenDataset(torch.utils.data.Dataset):
     """Samples with their capped lengths known before reading them."""
 
     lengths: np.ndarray
+    eod_mask_id: Optional[int] = None
+    """With ``--eod-mask-loss``: the end-of-document id whose positions are not loss targets."""
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -129,6 +138,47 @@ class MockDataset(TokenDataset):
         if self.content == "retrieval":
             return Sample(*retrieval_sample(length, self.vocab_size, rng, self.retrieval_depth, self.retrieval_records))
         return Sample(*random_token_sample(length, self.vocab_size, rng))
+
+
+class SplitDataset(TokenDataset):
+    """Samples ``[start, stop)`` of a data set: one part of ``--split`` (Megatron-LM splits the
+    documents of ``--data-path`` into contiguous train / validation / test ranges)."""
+
+    def __init__(self, base: TokenDataset, start: int, stop: int):
+        self.base, self.start = base, start
+        self.lengths = base.lengths[start:stop]
+
+    def __getitem__(self, index: int) -> Sample:
+        if not 0 <= index < len(self.lengths):
+            raise IndexError(index)
+        return self.base[self.start + int(index)]
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """``--split`` as Megatron-LM reads it: ``969,30,1`` (or ``/``-separated; missing parts are 0)
+    -> normalized train / validation / test fractions."""
+    try:
+        parts = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or min(parts) < 0 or sum(parts) <= 0:
+        raise ValueError(f"--split must be up to three non-negative weights (train,validation,test) like 969,30,1, "
+                         f"got {split!r}")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return tuple(p / total for p in parts)
+
+
+def split_ranges(num_samples: int, split: str) -> list[tuple[int, int]]:
+    """The contiguous ``[start, stop)`` of train, validation and test (Megatron-LM's rounding: each
+    boundary is the rounded cumulative share, the last one the end)."""
+    bounds = [0]
+    for fraction in parse_split(split):
+        bounds.append(bounds[-1] + int(round(fraction * num_samples)))
+    shift = bounds[-1] - num_samples
+    bounds = [b - shift if i else b for i, b in enumerate(bounds)]
+    bounds = [max(0, b) for b in bounds]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
 def load_tokenizer(path: str):
@@ -296,8 +346,8 @@ class DataConfig:
     mock_samples: int = 16384
     """Number of mock samples (one epoch)."""
 
-    mock_vocab_size: int = 32000
-    """Token ids of mock samples are below this."""
+    mock_vocab_size: Optional[int] = None
+    """Token ids of mock samples are below this (default: the model's --vocab-size, at most 32000)."""
 
     mock_retrieval_depth: str = "early"
     """Where --mock-content retrieval plants the records and asks for them: early (plants in the first
@@ -313,10 +363,46 @@ class DataConfig:
     prefix (Megatron's --valid-data-path). Mock runs draw a held-out mock split instead."""
 
     seed: int = 1234
-    """Seed of the mock data and of the sample order (Megatron's ``--seed``)."""
+    """Seed of the mock data, of the sample order, and of Python's, NumPy's and torch's generators
+    (Megatron's ``--seed``)."""
+
+    tokenizer_type: Optional[str] = None
+    """NullTokenizer (pre-tokenized or mock data; ids below --vocab-size, the last one the end of a
+    document) or HuggingFaceTokenizer (--tokenizer-model); default: HuggingFaceTokenizer when
+    --tokenizer-model is given, else NullTokenizer."""
+
+    split: Optional[str] = None
+    """Train,validation,test weights of --data-path's samples, e.g. 969,30,1 (Megatron's ``--split``):
+    contiguous ranges; evaluation reads the validation range when no --valid-data-path is given."""
+
+    eod_mask_loss: bool = False
+    """Do not count predictions made from an end-of-document token (Megatron's ``--eod-mask-loss``):
+    the tokenizer's EOS with --tokenizer-model, else the last id of the vocabulary."""
+
+    def mock_vocab(self) -> int:
+        """Mock token ids are below this (resolved against the model by SparseBalanceConfig)."""
+        return MOCK_VOCAB_SIZE if self.mock_vocab_size is None else self.mock_vocab_size
 
     def validate(self) -> "DataConfig":
         check_overlong(self.overlong_samples)
+        if self.tokenizer_type in REFUSED_TOKENIZERS:
+            raise ValueError(f"--tokenizer-type {self.tokenizer_type} is not built here: use HuggingFaceTokenizer with "
+                             "--tokenizer-model (a local Hugging Face tokenizer directory, which GPT-2 BPE, "
+                             "SentencePiece and tiktoken models have), or NullTokenizer with pre-tokenized data")
+        if self.tokenizer_type is not None and self.tokenizer_type not in TOKENIZER_TYPES:
+            raise ValueError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}, got {self.tokenizer_type!r}")
+        if self.tokenizer_type == "HuggingFaceTokenizer" and not self.tokenizer_model:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a local tokenizer directory)")
+        if self.tokenizer_type == "NullTokenizer" and self.tokenizer_model:
+            raise ValueError("--tokenizer-type NullTokenizer reads no --tokenizer-model: give one or the other")
+        if self.tokenizer_type == "NullTokenizer" and self.data_path and self.data_path.endswith(".jsonl") \
+                and not self.mock_data:
+            raise ValueError("--tokenizer-type NullTokenizer cannot tokenize .jsonl text: use HuggingFaceTokenizer "
+                             "with --tokenizer-model, or pre-tokenized .bin/.idx data")
+        if self.split is not None:
+            parse_split(self.split)
+        if self.mock_vocab_size is not None and self.mock_vocab_size < 2:
+            raise ValueError(f"--mock-vocab-size must be >= 2, got {self.mock_vocab_size}")
         if self.seq_length < MIN_SAMPLE_LENGTH:
             raise ValueError(f"--seq-length must be >= {MIN_SAMPLE_LENGTH}, got {self.seq_length}")
         if self.mock_data:
@@ -329,7 +415,7 @@ class DataConfig:
                 raise ValueError(f"--mock-retrieval-depth must be one of {RETRIEVAL_DEPTHS}, got {self.mock_retrieval_depth!r}")
             records = parse_retrieval_records(self.mock_retrieval_records)
             if self.mock_content == "retrieval":
-                check_retrieval_capacity(self.seq_length, self.mock_vocab_size, records)
+                check_retrieval_capacity(self.seq_length, self.mock_vocab(), records)
         elif not self.data_path:
             raise ValueError("--data-path is required unless --mock-data is given")
         elif self.data_path.endswith(".jsonl") and not self.tokenizer_model:
@@ -337,13 +423,40 @@ class DataConfig:
         return self
 
 
-def build_dataset(cfg: DataConfig) -> TokenDataset:
+def build_dataset(cfg: DataConfig, vocab_size: Optional[int] = None) -> TokenDataset:
+    """The training samples; ``vocab_size`` (the model's) gives the EOD id of ``--eod-mask-loss``
+    without a tokenizer."""
     cfg.validate()
     if cfg.mock_data:
-        return MockDataset(cfg.mock_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content,
-                           cfg.mock_vocab_size, cfg.seed, cfg.mock_retrieval_depth,
-                           retrieval_records=cfg.mock_retrieval_records)
-    return _file_dataset(cfg.data_path, cfg)
+        dataset = MockDataset(cfg.mock_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content,
+                              cfg.mock_vocab(), cfg.seed, cfg.mock_retrieval_depth,
+                              retrieval_records=cfg.mock_retrieval_records)
+    else:
+        dataset = _file_dataset(cfg.data_path, cfg)
+        if cfg.split is not None:
+            dataset = SplitDataset(dataset, *split_ranges(len(dataset), cfg.split)[0])
+    return _with_eod_mask(dataset, cfg, vocab_size)
+
+
+def eod_id(cfg: DataConfig, vocab_size: Optional[int] = None) -> int:
+    """The end-of-document id: the tokenizer's EOS, else the vocabulary's last id (NullTokenizer:
+    Megatron-LM's puts EOD one above --vocab-size and pads; here --vocab-size counts it)."""
+    if cfg.tokenizer_model and cfg.tokenizer_type != "NullTokenizer":
+        eos = load_tokenizer(cfg.tokenizer_model).eos_token_id
+        if eos is None:
+            raise ValueError(f"--eod-mask-loss: the tokenizer of --tokenizer-model {cfg.tokenizer_model} has no EOS token")
+        return int(eos)
+    if cfg.mock_data:
+        return cfg.mock_vocab() - 1
+    if vocab_size is None:
+        raise ValueError("--eod-mask-loss without a tokenizer needs the model's --vocab-size")
+    return vocab_size - 1
+
+
+def _with_eod_mask(dataset: TokenDataset, cfg: DataConfig, vocab_size: Optional[int]) -> TokenDataset:
+    if cfg.eod_mask_loss:
+        dataset.eod_mask_id = eod_id(cfg, vocab_size)
+    return dataset
 
 
 def _file_dataset(path: str, cfg: DataConfig) -> TokenDataset:
@@ -352,18 +465,22 @@ def _file_dataset(path: str, cfg: DataConfig) -> TokenDataset:
     return IndexedTokenDataset(path, cfg.seq_length, cfg.overlong_samples)
 
 
-def build_validation_dataset(cfg: DataConfig, num_samples: int) -> TokenDataset:
-    """The held-out samples of evaluation: ``--valid-data-path``, else (mock data) ``num_samples``
-    of the mock validation split, drawn like the training samples but from their own streams and
-    seed (``VALIDATION_SEED``), so they never repeat a training sample whatever ``--seed`` is."""
+def build_validation_dataset(cfg: DataConfig, num_samples: int, vocab_size: Optional[int] = None) -> TokenDataset:
+    """The held-out samples of evaluation: ``--valid-data-path``, else the validation range of
+    ``--split`` of ``--data-path``, else (mock data) ``num_samples`` of the mock validation split,
+    drawn like the training samples but from their own streams and seed (``VALIDATION_SEED``), so
+    they never repeat a training sample whatever ``--seed`` is."""
     cfg.validate()
     if cfg.valid_data_path:
-        return _file_dataset(cfg.valid_data_path, cfg)
+        return _with_eod_mask(_file_dataset(cfg.valid_data_path, cfg), cfg, vocab_size)
+    if not cfg.mock_data and cfg.data_path and cfg.split is not None:
+        full = _file_dataset(cfg.data_path, cfg)
+        return _with_eod_mask(SplitDataset(full, *split_ranges(len(full), cfg.split)[1]), cfg, vocab_size)
     if not cfg.mock_data:
-        raise ValueError("evaluation needs validation data: --valid-data-path, or --mock-data")
-    return MockDataset(num_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content, cfg.mock_vocab_size,
-                       VALIDATION_SEED, cfg.mock_retrieval_depth, split="validation",
-                       retrieval_records=cfg.mock_retrieval_records)
+        raise ValueError("evaluation needs validation data: --split with --data-path, --valid-data-path, or --mock-data")
+    return _with_eod_mask(MockDataset(num_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content,
+                                      cfg.mock_vocab(), VALIDATION_SEED, cfg.mock_retrieval_depth, split="validation",
+                                      retrieval_records=cfg.mock_retrieval_records), cfg, vocab_size)
 
 
 def pack_micro_batch(dataset: TokenDataset, indices: Sequence[int]) -> PackedBatch:
@@ -371,12 +488,25 @@ def pack_micro_batch(dataset: TokenDataset, indices: Sequence[int]) -> PackedBat
     if not len(indices):
         raise ValueError("a micro-batch needs at least one sample")
     samples = [dataset[int(i)] for i in indices]
-    return pack_sequences([s.tokens for s in samples], [s.target_mask for s in samples])
+    masks = [s.target_mask for s in samples]
+    if dataset.eod_mask_id is not None:
+        # pack_sequences shifts the mask onto the position that predicts the token: masking the
+        # token after an EOD removes the prediction made from the EOD, as Megatron-LM's
+        # loss_mask[tokens == eod] = 0 does.
+        masks = [_after_eod_masked(s.tokens, m, dataset.eod_mask_id) for s, m in zip(samples, masks)]
+    return pack_sequences([s.tokens for s in samples], masks)
+
+
+def _after_eod_masked(tokens: torch.Tensor, mask: torch.Tensor, eod: int) -> torch.Tensor:
+    mask = mask.clone()
+    mask[1:][tokens[:-1] == eod] = 0.0
+    return mask
 
 
 __all__ = [
     "DISTRIBUTIONS", "MOCK_CONTENTS", "OVERLONG_MODES", "DataConfig", "IndexedTokenDataset", "JsonlDataset",
-    "MockDataset", "Sample", "TokenDataset", "VALIDATION_SEED", "build_dataset", "build_validation_dataset",
+    "MockDataset", "Sample", "SplitDataset", "TokenDataset", "VALIDATION_SEED", "build_dataset",
+    "build_validation_dataset", "eod_id", "parse_split", "split_ranges",
     "load_tokenizer", "pack_micro_batch",
     "write_indexed_dataset",
 ]

@@ -120,8 +120,33 @@ def latest_checkpoint(root: str) -> Optional[str]:
     with open(latest) as f:
         path = iteration_dir(root, int(f.read().strip()))
     if not os.path.exists(os.path.join(path, COMPLETE)):
-        raise ValueError(f"--load {root}: {LATEST} names {path}, which is not a complete checkpoint")
+        newest = newest_complete_checkpoint(root)
+        raise ValueError(
+            f"--load {root}: {LATEST} names {path}, which is not a complete checkpoint (deleted or torn); "
+            + (f"the newest complete checkpoint there is {newest}: write its iteration into {LATEST}, or "
+               f"pass --load {newest}" if newest else "there is no complete checkpoint there"))
     return path
+
+
+def newest_complete_checkpoint(root: str) -> Optional[str]:
+    """The ``iter_*`` directory under ``root`` with the highest iteration that is complete, or None."""
+    best = None
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        if name.startswith("iter_") and name[5:].isdigit() and os.path.exists(os.path.join(root, name, COMPLETE)):
+            if best is None or int(name[5:]) > int(best[5:]):
+                best = name
+    return os.path.join(root, best) if best else None
+
+
+def missing_tracker_warning(root: str) -> Optional[str]:
+    """Megatron-LM's warning for a --load directory without ``latest_checkpointed_iteration.txt``
+    (the run then starts from scratch), or None when there is one."""
+    if os.path.exists(os.path.join(root, COMPLETE)) or os.path.exists(os.path.join(root, LATEST)):
+        return None
+    newest = newest_complete_checkpoint(root)
+    return (f"could not find the metadata file {os.path.join(root, LATEST)}; will not load any checkpoint and will "
+            "start from random (iteration 1)"
+            + (f". {newest} is complete: pass --load {newest} to resume from it" if newest else ""))
 
 
 def load_checkpoint(path: str, model, optimizer=None, strict: bool = True, optimizer_state: bool = True) -> dict:

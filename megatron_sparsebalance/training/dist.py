@@ -1,12 +1,12 @@
 """Process-group set-up shared by the demo, the tests and the pretrain entry point."""
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import socket
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -21,11 +21,13 @@ def free_port() -> int:
 
 
 def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, backend: str = "auto",
-                     seed: int = 1234) -> None:
+                     seed: int = 1234, timeout_minutes: int = 10) -> None:
     """``init_process_group`` from torchrun's env (or a single local process) plus Megatron's groups.
 
     ``backend='auto'`` is NCCL when CUDA is available, else gloo. On a GPU this also seeds
     megatron-core's CUDA RNG tracker, which its layers need to initialize their weights.
+    ``timeout_minutes`` (``--distributed-timeout-minutes``, Megatron-LM's default 10) bounds every
+    collective of the process group.
     """
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -41,7 +43,8 @@ def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
     if not parallel_state.model_parallel_is_initialized():
         initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
     elif (parallel_state.get_tensor_model_parallel_world_size(),

@@ -221,7 +221,7 @@ class Evaluator:
         self.cfg, self.trainer = cfg, trainer
         self.interval, self.iters = cfg.eval.eval_interval, cfg.eval.eval_iters
         gbs = cfg.training.global_batch_size
-        self.dataset = build_validation_dataset(cfg.data, self.iters * gbs)
+        self.dataset = build_validation_dataset(cfg.data, self.iters * gbs, trainer.shape.vocab_size)
         if len(self.dataset) < self.iters * gbs:
             raise ValueError(f"--valid-data-path has {len(self.dataset)} samples, fewer than --eval-iters x "
                              f"--global-batch-size = {self.iters * gbs}")

@@ -1,7 +1,13 @@
-"""Model presets and the builder of a megatron-core ``GPTModel`` with sparse core attention."""
+"""Model presets and the builder of a megatron-core ``GPTModel`` with sparse core attention.
+
+:class:`ModelShape` holds every architecture choice of Megatron-LM's flags that the model takes
+(``--num-layers`` ... ``--swiglu``, ``--normalization``, biases, dropout, init std, position
+embedding); :func:`transformer_config` and :func:`build_gpt_model` turn it into megatron-core's
+``TransformerConfig`` and ``GPTModel`` exactly as Megatron-LM's ``pretrain_gpt.py`` would.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -18,9 +24,15 @@ except ImportError:  # no Triton: megatron's unfused RoPE
     install_fused_rope = None
 
 
+POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The architecture flags of Megatron-LM (``--num-layers`` ...) for a Qwen2-style GPT."""
+    """The architecture flags of Megatron-LM (``--num-layers`` ...); the defaults after
+    ``vocab_size`` are a Qwen2-style GPT's (our presets'), which is also what checkpoints and
+    latency tables written before the later fields existed describe."""
 
     num_layers: int
     hidden_size: int
@@ -33,6 +45,31 @@ class ModelShape:
     norm_epsilon: float = 1e-6
     add_qkv_bias: bool = True
     untie_embeddings_and_output_weights: bool = False
+    # Megatron-LM's remaining architecture flags. Their defaults here are the presets' (Qwen2),
+    # not Megatron-LM's: config.ModelConfig applies Megatron-LM's when no --model is given.
+    normalization: str = "RMSNorm"
+    swiglu: bool = True
+    add_bias_linear: bool = False
+    position_embedding_type: str = "rope"
+    rotary_percent: float = 1.0
+    max_position_embeddings: Optional[int] = None
+    """None: the run's --seq-length."""
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+
+    def record(self) -> dict:
+        """The shape as a dict without the later fields that hold their default, so that
+        a record matches what was written before those fields existed (checkpoints, latency
+        tables); ``ModelShape(**record)`` restores the shape."""
+        out = asdict(self)
+        for f in fields(self)[_FIRST_LATER_FIELD:]:
+            if out[f.name] == f.default:
+                del out[f.name]
+        return out
+
+
+_FIRST_LATER_FIELD = [f.name for f in fields(ModelShape)].index("normalization")
 
 
 # Qwen2.5 shapes as published in their config.json files; "fidelity-small" is trained from scratch
@@ -107,13 +144,17 @@ def transformer_config(
     first_stage_layers: Optional[int] = None,
     last_stage_layers: Optional[int] = None,
     recompute: Optional[RecomputeSettings] = None,
+    sequence_parallel: bool = False,
+    calculate_per_token_loss: bool = False,
 ) -> TransformerConfig:
-    """megatron-core's config of a Qwen2-style GPT; ``first/last_stage_layers`` make the pipeline uneven."""
+    """megatron-core's config of ``shape``; ``first/last_stage_layers`` make the pipeline uneven."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     # Megatron's unfused THD RoPE costs ~110 launches per call (q and k of every layer) and our
     # machines have no Transformer Engine for its fused hook: on CUDA the hook runs our Triton
-    # kernels (ops/triton_rope.py). CPU runs, and machines with TE, keep what megatron does.
-    rope_fusion = install_fused_rope is not None and install_fused_rope()
+    # kernels (ops/triton_rope.py), which rotate the whole head (--rotary-percent 1). CPU runs,
+    # and machines with TE, keep what megatron does.
+    rope_fusion = (shape.position_embedding_type == "rope" and shape.rotary_percent == 1.0
+                   and install_fused_rope is not None and install_fused_rope())
     return TransformerConfig(
         num_layers=num_layers or shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -121,14 +162,18 @@ def transformer_config(
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
         kv_channels=shape.kv_channels,
-        normalization="RMSNorm",
+        normalization=shape.normalization,
         layernorm_epsilon=shape.norm_epsilon,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=shape.add_qkv_bias,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
+        # --swiglu: SiLU-gated MLP; without it Megatron-LM's GeLU MLP (exact GeLU: the bias-GeLU
+        # fusion, whose tanh approximation Megatron-LM turns on by default, is not used here).
+        gated_linear_unit=shape.swiglu,
+        activation_func=F.silu if shape.swiglu else F.gelu,
+        add_bias_linear=shape.add_bias_linear,
+        add_qkv_bias=shape.add_qkv_bias or shape.add_bias_linear,
+        attention_dropout=shape.attention_dropout,
+        hidden_dropout=shape.hidden_dropout,
+        sequence_parallel=sequence_parallel,
+        calculate_per_token_loss=calculate_per_token_loss,
         bf16=bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -137,7 +182,7 @@ def transformer_config(
         num_layers_in_last_pipeline_stage=last_stage_layers,
         tensor_model_parallel_size=tensor_parallel_size,
         use_cpu_initialization=not torch.cuda.is_available(),
-        init_method_std=0.02,
+        init_method_std=shape.init_method_std,
         apply_rope_fusion=rope_fusion,
         **(recompute.validate().transformer_config_kwargs() if recompute is not None else {}),
     )
@@ -150,17 +195,25 @@ def build_gpt_model(
     max_sequence_length: int,
     pre_process: bool = True,
     post_process: bool = True,
+    use_transformer_engine: bool = False,
 ) -> GPTModel:
-    """A megatron-core GPTModel (local spec) whose core attention is :class:`SparseCoreAttention`."""
+    """A megatron-core GPTModel (local spec, or TE's) whose core attention is :class:`SparseCoreAttention`.
+
+    ``max_sequence_length`` is the run's ``--seq-length``; ``--max-position-embeddings``
+    (``shape.max_position_embeddings``), when set, sizes the position embeddings instead, as in
+    Megatron-LM.
+    """
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_spec(sparse_config),
+        transformer_layer_spec=get_gpt_layer_spec(sparse_config, normalization=shape.normalization,
+                                                  use_transformer_engine=use_transformer_engine),
         vocab_size=shape.vocab_size,
-        max_sequence_length=max_sequence_length,
+        max_sequence_length=shape.max_position_embeddings or max_sequence_length,
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=not shape.untie_embeddings_and_output_weights,
-        position_embedding_type="rope",
+        position_embedding_type=shape.position_embedding_type,
+        rotary_percent=shape.rotary_percent,
         rotary_base=shape.rotary_base,
     )
 

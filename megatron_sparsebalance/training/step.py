@@ -94,8 +94,15 @@ def layers_per_stage(num_layers: int, pp: Optional[int] = None) -> int:
     return num_layers // pp
 
 
-def pipeline_layer_split(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None) -> list[int]:
-    """Transformer layers per pipeline stage, Megatron-LM's rule for uneven pipelines.
+def pipeline_layer_split(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None,
+                         account_for_embedding: bool = False, account_for_loss: bool = False) -> list[int]:
+    """Transformer layers per pipeline stage, Megatron-LM's rules for uneven pipelines.
+
+    ``account_for_embedding`` / ``account_for_loss`` (``--account-for-embedding-in-pipeline-split``
+    / ``--account-for-loss-in-pipeline-split``): the input embedding / the output layer and loss
+    count as one layer of the first / last stage; the layers plus those split evenly over the
+    stages (Megatron-LM requires that they divide), and the first / last stage gets one
+    transformer layer fewer.
 
     ``first`` / ``last`` (``--decoder-first-pipeline-num-layers`` /
     ``--decoder-last-pipeline-num-layers``) fix the end stages; the other stages share the
@@ -103,6 +110,23 @@ def pipeline_layer_split(num_layers: int, pp: int, first: Optional[int] = None, 
     a 152K vocabulary costs as much as six to nine Qwen2.5-0.5B layers, so giving it fewer layers
     is how a Megatron user balances the stages.
     """
+    if account_for_embedding or account_for_loss:
+        if first is not None or last is not None:
+            raise ValueError("--account-for-embedding/loss-in-pipeline-split and --decoder-first/last-pipeline-num-layers "
+                             "both set the stages' layer counts: give one or the other")
+        if pp == 1:
+            return [num_layers]
+        total = num_layers + account_for_embedding + account_for_loss
+        if total % pp:
+            raise ValueError(f"--num-layers {num_layers} plus {total - num_layers} for the embedding/loss accounted in "
+                             f"the pipeline split is {total}, not divisible by --pipeline-model-parallel-size {pp}")
+        split = [total // pp] * pp
+        split[0] -= account_for_embedding
+        split[-1] -= account_for_loss
+        if min(split) < 1:
+            raise ValueError(f"--account-for-embedding/loss-in-pipeline-split leave a stage without transformer layers "
+                             f"({split}): every stage needs at least one here")
+        return split
     if first is None and last is None:
         return [layers_per_stage(num_layers, pp)] * pp
     if pp < 2:

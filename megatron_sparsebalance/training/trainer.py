@@ -48,12 +48,15 @@ class OptimSettings:
     """Clip the global gradient norm to this (0: no clipping)."""
     lr_warmup_iters: int = 0
     """Linear warm-up iterations."""
-    lr_decay_iters: int = 1000
-    """Iterations of the decay from --lr to --min-lr."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations of the decay from --lr to --min-lr (default: --train-iters, as Megatron-LM)."""
     lr_decay_style: str = "cosine"
     """constant, linear, cosine or inverse-square-root."""
     use_distributed_optimizer: bool = False
     """Shard the optimizer state over data-parallel ranks (megatron-core's distributed optimizer)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduce with the backward pass (megatron-core DDP's
+    overlap_grad_reduce: buckets are reduced as their gradients become ready)."""
 
     def validate(self) -> "OptimSettings":
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -63,6 +66,15 @@ class OptimSettings:
         if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
             raise ValueError(f"--lr-decay-style must be constant, linear, cosine or inverse-square-root, got {self.lr_decay_style!r}")
         return self
+
+
+# A Trainer built without a run length (benchmarks, tests that step it directly) decays over this
+# many iterations when --lr-decay-iters is not given; the pretrain entry resolves it to --train-iters.
+LR_DECAY_ITERS_WITHOUT_RUN_LENGTH = 1000
+
+
+def _decay_iters(optim: OptimSettings) -> int:
+    return LR_DECAY_ITERS_WITHOUT_RUN_LENGTH if optim.lr_decay_iters is None else optim.lr_decay_iters
 
 
 @dataclass
@@ -94,7 +106,9 @@ class Trainer:
         first_stage_layers: Optional[int] = None,
         last_stage_layers: Optional[int] = None,
         recompute: Optional[RecomputeSettings] = None,
+        sequence_parallel: bool = False,
         calculate_per_token_loss: bool = False,
+        use_transformer_engine: bool = False,
     ):
         self.shape, self.sparse, self.dst = shape, sparse.validate(), dst.validate()
         optim.validate()
@@ -111,14 +125,12 @@ class Trainer:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.config = transformer_config(shape, pipeline_parallel_size=pp, tensor_parallel_size=tp, bf16=bf16,
                                          num_layers=num_layers, first_stage_layers=first_stage_layers,
-                                         last_stage_layers=last_stage_layers, recompute=recompute)
-        # megatron-core's per-token normalization: each micro-batch's loss sum is divided by the
-        # loss tokens of the whole global batch (all micro-batches, all DP ranks) in
-        # finalize_model_grads, so the step is the same whatever the number of micro-batches, the
-        # only normalization exact under --variable-micro-batches. Set before DDP reads it.
-        self.config.calculate_per_token_loss = calculate_per_token_loss
+                                         last_stage_layers=last_stage_layers, recompute=recompute,
+                                         sequence_parallel=sequence_parallel,
+                                         calculate_per_token_loss=calculate_per_token_loss)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        model = build_gpt_model(shape, sparse, self.config, max_sequence_length, **stage_flags()).to(device)
+        model = build_gpt_model(shape, sparse, self.config, max_sequence_length, **stage_flags(),
+                                use_transformer_engine=use_transformer_engine).to(device)
         if bf16:
             model = Float16Module(self.config, model)
         # DiLoCo/SparseLoCo replicas must not all-reduce gradients each step. Rather than replace
@@ -127,7 +139,8 @@ class Trainer:
         # the replicas meet only in OuterSync, over the real DP group.
         self.model = DistributedDataParallel(
             self.config,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer),
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer,
+                                          overlap_grad_reduce=optim.overlap_grad_reduce),
             model,
             pg_collection=replica_local_ddp_groups() if self.dp_comm.local_steps else None,
         )
@@ -140,7 +153,8 @@ class Trainer:
         )
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if optim.lr_warmup_iters else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
-            lr_warmup_steps=optim.lr_warmup_iters, lr_decay_steps=max(optim.lr_decay_iters, optim.lr_warmup_iters + 1),
+            lr_warmup_steps=optim.lr_warmup_iters,
+            lr_decay_steps=max(_decay_iters(optim), optim.lr_warmup_iters + 1),
             lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
             wd_incr_steps=1, wd_incr_style="constant",
         )
@@ -209,7 +223,12 @@ class Trainer:
         value = torch.tensor(local if reports else [0.0, 0.0, 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(value)
         holders = parallel_state.get_data_parallel_world_size() * parallel_state.get_tensor_model_parallel_world_size()
-        return float(value[0]) / holders, float(value[1] / value[2]) if value[2] > 0 else float("nan")
+        lm_loss = float(value[1] / value[2]) if value[2] > 0 else float("nan")
+        if self.config.calculate_per_token_loss:
+            # --calculate-per-token-loss: the schedule weighted every token alike, so the loss it
+            # trained on is the global batch's loss sum over its tokens.
+            return lm_loss, lm_loss
+        return float(value[0]) / holders, lm_loss
 
     def _learn_floor(self, metrics: IterationMetrics) -> None:
         learn_coverage_floor(self.coverage_floor, self._plans, metrics, self.dst.k_base)
