@@ -46,12 +46,20 @@ def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int 
             f"{pipeline_parallel_size} differ from this process's model-parallel groups "
             f"({parallel_state.get_tensor_model_parallel_world_size()} / "
             f"{parallel_state.get_pipeline_model_parallel_world_size()}): destroy them first")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or _cpu_rng_shimmed():
         # Every call, also when the groups already exist (several runs in one process): a run
         # starts from the seeded tracker, so its weights do not depend on the runs before it.
+        # On a CPU (under training.cpu_compat) the tracker's states are placeholders, but
+        # megatron-core's tensor-parallel regions (the sequence-parallel embedding) fork them.
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _cpu_rng_shimmed() -> bool:
+    from megatron_sparsebalance.training.cpu_compat import cpu_rng_tracker_enabled
+
+    return cpu_rng_tracker_enabled()
 
 
 def destroy_distributed() -> None:

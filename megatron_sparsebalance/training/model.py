@@ -10,7 +10,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
-from megatron_sparsebalance.attention.spec import get_gpt_layer_spec
+from megatron_sparsebalance.attention.spec import get_gpt_decoder_spec, get_gpt_layer_spec
 
 try:
     from megatron_sparsebalance.ops.triton_rope import install_fused_rope
@@ -107,6 +107,7 @@ def transformer_config(
     first_stage_layers: Optional[int] = None,
     last_stage_layers: Optional[int] = None,
     recompute: Optional[RecomputeSettings] = None,
+    sequence_parallel: bool = False,
 ) -> TransformerConfig:
     """megatron-core's config of a Qwen2-style GPT; ``first/last_stage_layers`` make the pipeline uneven."""
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -136,6 +137,7 @@ def transformer_config(
         num_layers_in_first_pipeline_stage=first_stage_layers,
         num_layers_in_last_pipeline_stage=last_stage_layers,
         tensor_model_parallel_size=tensor_parallel_size,
+        sequence_parallel=sequence_parallel,
         use_cpu_initialization=not torch.cuda.is_available(),
         init_method_std=0.02,
         apply_rope_fusion=rope_fusion,
@@ -154,7 +156,8 @@ def build_gpt_model(
     """A megatron-core GPTModel (local spec) whose core attention is :class:`SparseCoreAttention`."""
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_spec(sparse_config),
+        transformer_layer_spec=get_gpt_decoder_spec(
+            config, get_gpt_layer_spec(sparse_config, num_query_groups=shape.num_query_groups)),
         vocab_size=shape.vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,

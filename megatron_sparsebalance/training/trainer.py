@@ -93,6 +93,7 @@ class Trainer:
         first_stage_layers: Optional[int] = None,
         last_stage_layers: Optional[int] = None,
         recompute: Optional[RecomputeSettings] = None,
+        sequence_parallel: bool = False,
     ):
         self.shape, self.sparse, self.dst = shape, sparse.validate(), dst.validate()
         optim.validate()
@@ -106,7 +107,8 @@ class Trainer:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.config = transformer_config(shape, pipeline_parallel_size=pp, tensor_parallel_size=tp, bf16=bf16,
                                          num_layers=num_layers, first_stage_layers=first_stage_layers,
-                                         last_stage_layers=last_stage_layers, recompute=recompute)
+                                         last_stage_layers=last_stage_layers, recompute=recompute,
+                                         sequence_parallel=sequence_parallel)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         model = build_gpt_model(shape, sparse, self.config, max_sequence_length, **stage_flags()).to(device)
         if bf16:

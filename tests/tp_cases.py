@@ -1,0 +1,175 @@
+"""Bodies of the multi-process tensor-parallel tests (importable by spawned workers).
+
+The model is pipeline_cases' tiny GPT (4 query heads, 2 KV groups): TP=2 gives each rank one
+whole group, TP=4 replicates each group on two ranks (megatron-core's ``num_query_groups < TP``
+path). DST runs with the coverage bound (``--dst-p``), so every layer chooses its budget from
+the coverage curve that the TP ranks must agree on.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_sparsebalance.attention import budget as budget_module
+from megatron_sparsebalance.balance.dst import DSTConfig
+from megatron_sparsebalance.balance.latency import AnalyticLatencyModel
+from megatron_sparsebalance.pipeline import schedule
+from megatron_sparsebalance.pipeline.schedule import PipelinePlan, forward_backward_sparsebalance
+from megatron_sparsebalance.training import checkpointing
+from megatron_sparsebalance.training.model import build_gpt_model, transformer_config
+from megatron_sparsebalance.training.step import gpt_forward_step, mean_loss, pipeline_plans
+from tests.pipeline_cases import NUM_LAYERS, SHAPE, SPARSE, micro_batches
+
+# Unequal packs with odd token counts (sequence parallelism pads them to a multiple of TP).
+LENGTHS = [[515, 64], [131], [320, 200, 9], [700]]
+DST = DSTConfig(anchor="mean", p=0.1, k_base=4)
+PLAN_STAGES = 2  # DST's plan is made for a 2-stage pipeline in every layout, so all runs share it
+
+
+def _latency_model():
+    return AnalyticLatencyModel(SHAPE, NUM_LAYERS // PLAN_STAGES, block_size=SPARSE.moba_block_size, hardware="h200",
+                                dtype_bytes=4, candidates=(1, 2, 3, 4, 6, 8))
+
+
+def dst_plan() -> PipelinePlan:
+    plan = pipeline_plans([LENGTHS], SHAPE.hidden_size, DST, _latency_model(), PLAN_STAGES, dp_rank=0)[0]
+    assert any(mb.budget < DST.k_base for mb in plan.micro_batches), "the test needs DST to shrink a micro-batch"
+    return plan
+
+
+def _layer_offset(pp_rank: int, pp: int) -> int:
+    return pp_rank * NUM_LAYERS // pp
+
+
+def full_key(key: str, pp_rank: int, pp: int) -> str:
+    """Name of a stage model's parameter in the unpipelined model (layers are numbered per stage)."""
+    key = key.removeprefix("module.")
+    if key.startswith("decoder.layers."):
+        _, _, idx, rest = key.split(".", 3)
+        return f"decoder.layers.{int(idx) + _layer_offset(pp_rank, pp)}.{rest}"
+    return key
+
+
+def _gather_tp(name: str, x: torch.Tensor, param) -> torch.Tensor:
+    """The unsharded tensor of a TP-sharded parameter's ``x`` (its value or gradient)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return x
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    dim = param.partition_dim
+    if name.endswith("mlp.linear_fc1.weight"):  # swiglu: each rank holds [its gate rows; its up rows]
+        halves = [p.chunk(2, dim) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)
+    return torch.cat(parts, dim)
+
+
+class BudgetSpy:
+    """Every layer's (micro-batch, layer, k_used, coverage) of one schedule run, read after it."""
+
+    def __init__(self):
+        self.reports = []
+        self._real = schedule.budget_scope
+
+    def __enter__(self):
+        def scope(*args, **kwargs):
+            cm = self._real(*args, **kwargs)
+            spy = self
+
+            class Recording:
+                def __enter__(self):
+                    report = cm.__enter__()
+                    spy.reports.append(report)
+                    return report
+
+                def __exit__(self, *exc):
+                    return cm.__exit__(*exc)
+
+            return Recording()
+
+        schedule.budget_scope = scope
+        return self
+
+    def __exit__(self, *exc):
+        schedule.budget_scope = self._real
+
+    def used(self) -> list:
+        """``(layer, k_used, C(k_used))`` of every forward and recomputed forward, in order."""
+        return [(layer.layer_number, float(layer.stats.unread()[0]), float(layer.stats.unread()[1]))
+                for report in self.reports for layer in report.layers]
+
+
+def reference(root: str, seed: int) -> None:
+    """TP=1, no pipeline: the initial weights (a checkpoint every layout loads), loss, gradients, budgets."""
+    torch.manual_seed(seed)
+    model = build_gpt_model(SHAPE, SPARSE, transformer_config(SHAPE), max_sequence_length=4096)
+    checkpointing.save_checkpoint(os.path.join(root, "init"), 0, model)
+    plan = dst_plan()
+    with BudgetSpy() as spy:
+        losses = forward_backward_sparsebalance(forward_step_func=gpt_forward_step,
+                                                data_iterator=iter(micro_batches(LENGTHS, seed)), model=[model],
+                                                num_microbatches=len(LENGTHS), plan=plan)
+    torch.save({"loss": mean_loss(losses), "grads": {k: p.grad.clone() for k, p in model.named_parameters()},
+                "budgets": plan.measured.budgets, "layers": spy.used()}, os.path.join(root, "ref.pt"))
+
+
+def build_stage(sequence_parallel: bool):
+    """This rank's stage at the current TP x PP, wrapped in megatron-core's DDP (which all-reduces the
+    sequence-parallel norms' gradients over TP in ``finalize_model_grads``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    cfg = transformer_config(SHAPE, pipeline_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+                             tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                             sequence_parallel=sequence_parallel)
+    model = build_gpt_model(SHAPE, SPARSE, cfg, max_sequence_length=4096,
+                            pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage())
+    model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    cfg.no_sync_func = model.no_sync
+    cfg.finalize_model_grads_func = finalize_model_grads
+    return model
+
+
+def equals_reference(root: str, seed: int, sequence_parallel: bool) -> None:
+    """Loss, every gradient and every layer's budget at this TP x PP equal the TP=1 run's."""
+    pp, pp_rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    model = build_stage(sequence_parallel)
+    checkpointing.load_checkpoint(checkpointing.iteration_dir(os.path.join(root, "init"), 0), model)
+    model.zero_grad_buffer()
+    plan = dst_plan()
+    with BudgetSpy() as spy:
+        losses = forward_backward_sparsebalance(forward_step_func=gpt_forward_step,
+                                                data_iterator=iter(micro_batches(LENGTHS, seed)), model=[model],
+                                                num_microbatches=len(LENGTHS), plan=plan)
+    ref = torch.load(os.path.join(root, "ref.pt"))
+    if parallel_state.is_pipeline_last_stage():
+        got = mean_loss(losses)
+        assert abs(got - ref["loss"]) < 1e-5 * max(1.0, abs(ref["loss"])), (got, ref["loss"])
+    for name, p in model.named_parameters():
+        key = full_key(name, pp_rank, pp)
+        grad = _gather_tp(key, p.main_grad, p)
+        expect = ref["grads"][key]
+        assert grad.shape == expect.shape, (key, grad.shape, expect.shape)
+        assert torch.allclose(grad, expect, atol=2e-5, rtol=1e-4), (key, (grad - expect).abs().max())
+    # The budgets every TP rank used, layer by layer, are identical (not merely close) ...
+    used = spy.used()
+    peers = [None] * parallel_state.get_tensor_model_parallel_world_size()
+    dist.all_gather_object(peers, used, group=parallel_state.get_tensor_model_parallel_group())
+    assert all(p == used for p in peers), "TP ranks of one stage used different budgets"
+    # ... and those of the TP=1 run: this stage's layers, per micro-batch.
+    offset, per_stage = _layer_offset(pp_rank, pp), NUM_LAYERS // pp
+    mine = [(layer, k) for layer, k, _ in ref["layers"] if offset < layer <= offset + per_stage]
+    assert [(layer + offset, k) for layer, k, _ in used] == mine, (used, mine)
+    assert plan.measured.budgets == ref["budgets"], (plan.measured.budgets, ref["budgets"])
+
+
+def equality_cases(root: str, seed: int) -> None:
+    """With and without sequence parallelism, in one launch."""
+    for sp in (True, False):
+        try:
+            equals_reference(root, seed, sp)
+        except Exception as e:
+            raise AssertionError(f"sequence_parallel={sp} failed") from e
