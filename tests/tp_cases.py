@@ -159,10 +159,10 @@ def equals_reference(root: str, seed: int, sequence_parallel: bool) -> None:
     peers = [None] * parallel_state.get_tensor_model_parallel_world_size()
     dist.all_gather_object(peers, used, group=parallel_state.get_tensor_model_parallel_group())
     assert all(p == used for p in peers), "TP ranks of one stage used different budgets"
-    # ... and those of the TP=1 run: this stage's layers, per micro-batch.
+    # ... and those of the TP=1 run: this stage's layers (megatron numbers them globally), per micro-batch.
     offset, per_stage = _layer_offset(pp_rank, pp), NUM_LAYERS // pp
     mine = [(layer, k) for layer, k, _ in ref["layers"] if offset < layer <= offset + per_stage]
-    assert [(layer + offset, k) for layer, k, _ in used] == mine, (used, mine)
+    assert [(layer, k) for layer, k, _ in used] == mine, (used, mine)
     assert plan.measured.budgets == ref["budgets"], (plan.measured.budgets, ref["budgets"])
 
 
@@ -173,3 +173,103 @@ def equality_cases(root: str, seed: int) -> None:
             equals_reference(root, seed, sp)
         except Exception as e:
             raise AssertionError(f"sequence_parallel={sp} failed") from e
+
+
+# --- training at TP=2 x PP=2: stop + resume bitwise, and checkpoints resharded to TP=1 x PP=4 and back ---
+
+STEPS = 4
+SAVE_AT = 2
+
+
+def relayout(tp: int, pp: int) -> None:
+    """Rebuild megatron's model-parallel groups at another TP x PP in the same processes (one
+    launch serves several layouts: starting processes costs more than a tiny case)."""
+    from megatron_sparsebalance.training.dist import init_distributed
+
+    parallel_state.destroy_model_parallel()
+    init_distributed(tensor_parallel_size=tp, pipeline_parallel_size=pp, backend="gloo")
+
+
+def make_trainer(sequence_parallel: bool):
+    from megatron_sparsebalance.training.trainer import OptimSettings, Trainer
+
+    torch.manual_seed(11)  # the initial weights; every test loads or resumes over them anyway
+    return Trainer(SHAPE, SPARSE, DST, OptimSettings(lr=3e-3, min_lr=3e-4, lr_decay_iters=STEPS),
+                   max_sequence_length=4096, latency_model=_latency_model(), sequence_parallel=sequence_parallel)
+
+
+def step_batches(step: int, seed: int):
+    return micro_batches(LENGTHS, seed * 1000 + step)
+
+
+def train(trainer, steps, seed) -> list:
+    return [(r.loss, r.grad_norm, tuple(r.metrics.budgets))
+            for r in (trainer.train_step([LENGTHS], step_batches(s, seed)) for s in steps)]
+
+
+def save(trainer, root: str, iteration: int) -> None:
+    checkpointing.save_checkpoint(root, iteration, trainer.model, trainer.optimizer, common={
+        "scheduler": trainer.scheduler.state_dict(), "latency": trainer.latency_model.calibration_state(),
+        "dst_floor": trainer.coverage_floor.state_dict()})
+
+
+def resume(trainer, root: str, iteration: int, optimizer_state: bool = True) -> None:
+    common = checkpointing.load_checkpoint(checkpointing.iteration_dir(root, iteration), trainer.model,
+                                           trainer.optimizer, optimizer_state=optimizer_state)
+    if optimizer_state:
+        trainer.scheduler.load_state_dict(common["scheduler"])
+        trainer.latency_model.load_calibration(common["latency"])
+        trainer.coverage_floor.load_state_dict(common["dst_floor"])
+
+
+def eval_loss(trainer, seed: int) -> float:
+    """Forward-only loss of fixed micro-batches at the fixed budget, known on every rank."""
+    plan = PipelinePlan([schedule.MicroBatchPlan(lengths) for lengths in LENGTHS], hidden_size=SHAPE.hidden_size)
+    plan.measure = False
+    reports = forward_backward_sparsebalance(forward_step_func=gpt_forward_step,
+                                             data_iterator=iter(micro_batches(LENGTHS, seed)), model=[trainer.model],
+                                             num_microbatches=len(LENGTHS), plan=plan, forward_only=True)
+    return trainer._loss_on_every_rank(reports)
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 * max(1.0, abs(b))
+
+
+def world4_cases(root: str, seed: int) -> None:
+    """World 4 in one launch: TP=2 x PP=2 (equality, stop + resume bitwise, save), TP=1 x PP=4
+    (load that, evaluate, train a step, save), TP=2 x PP=2 again (load that back), TP=4 (equality,
+    KV groups replicated over two ranks each)."""
+    assert parallel_state.get_tensor_model_parallel_world_size() == 2
+    equals_reference(root, seed, sequence_parallel=True)
+
+    ckpt = os.path.join(root, "tp2pp2")
+    straight = make_trainer(sequence_parallel=True)
+    resume(straight, os.path.join(root, "init"), 0, optimizer_state=False)
+    first = train(straight, range(1, SAVE_AT + 1), seed)
+    save(straight, ckpt, SAVE_AT)
+    saved_loss = eval_loss(straight, seed)
+    rest = train(straight, range(SAVE_AT + 1, STEPS + 1), seed)
+    assert rest[-1][0] < first[0][0], ("the loss must fall", first, rest)
+    resumed = make_trainer(sequence_parallel=True)
+    resume(resumed, ckpt, SAVE_AT)
+    again = train(resumed, range(SAVE_AT + 1, STEPS + 1), seed)
+    assert again == rest, ("stop + resume is not bitwise", again, rest)  # losses, grad norms, budgets
+
+    relayout(tp=1, pp=4)
+    tp1 = make_trainer(sequence_parallel=False)
+    resume(tp1, ckpt, SAVE_AT)  # weights, Adam's moments and the schedules, resharded
+    assert close(eval_loss(tp1, seed), saved_loss), (eval_loss(tp1, seed), saved_loss)
+    (loss3, _, _), = train(tp1, [SAVE_AT + 1], seed)
+    assert close(loss3, rest[0][0]), ("the step after a resharded resume", loss3, rest[0][0])
+    back = os.path.join(root, "tp1pp4")
+    save(tp1, back, SAVE_AT + 1)
+    tp1_loss = eval_loss(tp1, seed)
+
+    relayout(tp=2, pp=2)
+    tp2 = make_trainer(sequence_parallel=True)
+    resume(tp2, back, SAVE_AT + 1)
+    assert close(eval_loss(tp2, seed), tp1_loss), (eval_loss(tp2, seed), tp1_loss)
+
+    relayout(tp=4, pp=1)
+    equals_reference(root, seed, sequence_parallel=True)
