@@ -28,6 +28,7 @@ from megatron_sparsebalance.data.datasets import DataConfig
 from megatron_sparsebalance.training.model import MODEL_PRESETS, ModelShape, RecomputeSettings
 from megatron_sparsebalance.training.outer_sync import DPCommConfig
 from megatron_sparsebalance.training.step import pipeline_layer_split
+from megatron_sparsebalance.training.tensor_parallel import validate_tensor_parallel
 from megatron_sparsebalance.training.trainer import OptimSettings
 
 
@@ -84,7 +85,10 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
-    """Tensor parallel size (TP). Only 1 is supported for now."""
+    """Tensor parallel size (TP): heads, KV groups, FFN columns and vocabulary split over this many ranks."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs TP > 1): norms and activations between layers and stages
+    split by tokens over the TP ranks; packs are padded to a multiple of TP."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages (PP); the schedule is SparseBalance's 1F1B."""
     decoder_first_pipeline_num_layers: Optional[int] = None
@@ -276,9 +280,7 @@ class SparseBalanceConfig:
         self.dp_comm.validate(self.optim.use_distributed_optimizer)
         self.recompute.validate()
         par, tr = self.parallel, self.training
-        if par.tensor_model_parallel_size != 1:
-            raise ValueError("--tensor-model-parallel-size > 1 is not supported yet (use PP and DP); got "
-                             f"{par.tensor_model_parallel_size}")
+        validate_tensor_parallel(self.model_shape(), par.tensor_model_parallel_size, par.sequence_parallel)
         if par.pipeline_model_parallel_size < 1:
             raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {par.pipeline_model_parallel_size}")
         if par.distributed_backend not in ("auto", "nccl", "gloo"):

@@ -6,7 +6,11 @@ TP=1 x PP=4 and back; then TP=4, where megatron-core replicates each KV group on
 Every TP run uses DST with the coverage bound and checks that all TP ranks of a stage used the
 same budget in every layer, and the same as the TP=1 run.
 """
+import json
+
 import pytest
+
+from megatron_sparsebalance.balance.latency import ProfiledLatencyModel
 
 from tests import tp_cases
 from tests.distributed import run_workers
@@ -19,8 +23,17 @@ def reference(tmp_path_factory):
     return root
 
 
-def test_tp2_with_and_without_sequence_parallel_equals_tp1(reference):
-    run_workers(tp_cases.equality_cases, world=2, tp=2, args=(reference, 7))
+def test_tp2_with_and_without_sequence_parallel_equals_tp1_and_profiles_a_tp_stage(reference, tmp_path):
+    table = str(tmp_path / "tp2_sp.json")
+    run_workers(tp_cases.equality_cases, world=2, tp=2, args=(reference, 7, table))
+    meta = json.load(open(table))["metadata"]
+    assert meta["parallel_layout"] == {"tp": 2, "pp": 1, "cp": 1, "sequence_parallel": True}
+    run = dict(meta, parallel_layout={"tp": 2, "pp": 1, "cp": 1, "sequence_parallel": True})
+    ProfiledLatencyModel.load(table, expect=run)
+    for other in ({"tp": 1, "pp": 1, "cp": 1, "sequence_parallel": False},
+                  {"tp": 2, "pp": 1, "cp": 1, "sequence_parallel": False}):
+        with pytest.raises(ValueError, match="parallel_layout"):
+            ProfiledLatencyModel.load(table, expect=dict(meta, parallel_layout=other))
 
 
 def test_tp2_pp2_trains_resumes_bitwise_and_reshards_to_tp1_pp4_and_back_then_tp4(reference):

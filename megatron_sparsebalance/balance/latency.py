@@ -285,7 +285,10 @@ def metadata_mismatch(table: Mapping[str, Any], expect: Mapping[str, Any]) -> li
     table = _jsonable(dict(table))
 
     def recorded(key):
-        return table.get(key, None if key in _KEYS_NONE_WHEN_ABSENT else _ABSENT)
+        value = table.get(key, None if key in _KEYS_NONE_WHEN_ABSENT else _ABSENT)
+        if key == "parallel_layout" and isinstance(value, dict):
+            value = {"sequence_parallel": False, **value}  # tables from before TP recorded it ran without
+        return value
 
     return sorted(key for key, value in expect.items() if recorded(key) != _jsonable(value))
 
@@ -311,6 +314,7 @@ def latency_metadata(
     pipeline_parallel_size: int = 1,
     context_parallel_size: int = 1,
     recompute: Optional[Mapping[str, Any]] = None,
+    sequence_parallel: bool = False,
 ) -> dict:
     """The metadata a table is saved with and a run expects when loading one (same function for both).
 
@@ -318,7 +322,9 @@ def latency_metadata(
     ``kernel_version`` defaults to :func:`kernel_version` of ``kernel_impl``; ``gpu`` to the
     current device's name. ``recompute``: megatron's recompute settings when the stage recomputes
     activations (its backward then repeats the forward), else None; a table and a run must agree
-    on it either way.
+    on it either way. ``parallel_layout`` records TP, PP, CP and sequence parallelism: a TP stage
+    computes ``1/TP`` of every layer plus its TP collectives, whose cost sequence parallelism changes
+    (reduce-scatter + all-gather instead of all-reduce), so a table is refused for another layout.
     """
     return {
         "gpu": gpu if gpu is not None else device_name(),
@@ -330,7 +336,8 @@ def latency_metadata(
         "layers_per_stage": int(layers_per_stage),
         "pre_process": bool(pre_process),
         "post_process": bool(post_process),
-        "parallel_layout": {"tp": int(tensor_parallel_size), "pp": int(pipeline_parallel_size), "cp": int(context_parallel_size)},
+        "parallel_layout": {"tp": int(tensor_parallel_size), "pp": int(pipeline_parallel_size),
+                            "cp": int(context_parallel_size), "sequence_parallel": bool(sequence_parallel)},
         "recompute": _jsonable(dict(recompute)) if recompute else None,
     }
 
