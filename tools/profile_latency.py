@@ -89,6 +89,9 @@ class StageProfiler:
             by 10-25% from one step to the next; more samples steady its median at little cost.
     """
 
+    tensor_parallel_size = 1  # a stage of one GPU unless built at a TP
+    sequence_parallel = False
+
     def __init__(
         self,
         model_name: str,
@@ -303,10 +306,7 @@ def profile(
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    if tensor_parallel_size != profiler.tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but the stage was built at "
-                         f"{profiler.tensor_parallel_size}")
-    if profiler.tensor_parallel_size > 1 and time_budget_s is not None:
+    if tensor_parallel_size > 1 and time_budget_s is not None:
         # the ranks' clocks would drop lengths at different points and leave the group's collectives unmatched
         raise ValueError("time_budget_s is not supported for a tensor-parallel stage")
     lengths, budgets = sorted(set(lengths)), sorted(set(budgets))

@@ -424,6 +424,8 @@ class Hardware:
     """Fixed time per layer and micro-batch, forward+backward (launches, router, host syncs)."""
     microbatch_overhead_ms: float
     """Fixed time per micro-batch and stage (loss, schedule, layout building)."""
+    tp_link_gbps: float = 300.0
+    """Bus bandwidth of the tensor-parallel collectives within a node (GB/s achieved per GPU, NVLink)."""
 
 
 # Rough achieved figures; calibration corrects them.  H200 SXM: 989 dense bf16 TFLOP/s peak,
@@ -434,7 +436,7 @@ HARDWARE = {
     "h100": Hardware("h100", matmul_tflops=550.0, attention_tflops=230.0, memory_gbps=2700.0,
                      layer_overhead_ms=0.25, microbatch_overhead_ms=1.0),
     "cpu": Hardware("cpu", matmul_tflops=0.1, attention_tflops=0.02, memory_gbps=10.0,
-                    layer_overhead_ms=1.0, microbatch_overhead_ms=2.0),
+                    layer_overhead_ms=1.0, microbatch_overhead_ms=2.0, tp_link_gbps=1.0),
 }
 
 # FLOPs of one (query block x KV block) pair per query head, per B^2*d: forward QK^T and PV are
@@ -470,7 +472,12 @@ class AnalyticLatencyModel(LatencyModel):
         hardware: a :class:`Hardware` or a key of :data:`HARDWARE`.
         dtype_bytes: 2 for bf16/fp16, 4 for fp32.
         pre_process / post_process: the stage holds the embedding / the output layer and loss.
-        tensor_parallel_size: heads and FFN columns split over this many GPUs.
+        tensor_parallel_size: heads and FFN columns split over this many GPUs; each layer then
+            adds its TP collectives (two all-reduces forward and two backward of the layer's
+            activations, or under sequence parallelism the same bytes as all-gathers and
+            reduce-scatters) over the hardware's ``tp_link_gbps``.
+        sequence_parallel: the norms and residuals run on ``1/TP`` of the tokens per GPU instead
+            of all of them.
     """
 
     kind = "analytic"
@@ -485,6 +492,7 @@ class AnalyticLatencyModel(LatencyModel):
         pre_process: bool = False,
         post_process: bool = False,
         tensor_parallel_size: int = 1,
+        sequence_parallel: bool = False,
         **common,
     ):
         super().__init__(**common)
@@ -496,6 +504,9 @@ class AnalyticLatencyModel(LatencyModel):
         self.pre_process = bool(pre_process)
         self.post_process = bool(post_process)
         self.tensor_parallel_size = int(tensor_parallel_size)
+        self.sequence_parallel = bool(sequence_parallel)
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("sequence_parallel needs tensor_parallel_size > 1")
         if self.layers_per_stage < 1 or self.block_size < 1 or self.tensor_parallel_size < 1:
             raise ValueError("layers_per_stage, block_size and tensor_parallel_size must be >= 1")
         self._precompute()
@@ -509,10 +520,15 @@ class AnalyticLatencyModel(LatencyModel):
         out_weights = h * s["vocab_size"] / tp if self.post_process else 0.0
         flops_per_token = _LINEAR_FLOPS_PER_WEIGHT * (weights * nl + out_weights)
         self._dense_flops_per_token = flops_per_token
-        bytes_per_token = nl * self.dtype_bytes * (_ELEMENTWISE_HIDDEN_RW * h + _ELEMENTWISE_FFN_RW * ffn)
+        hidden_share = 1.0 / tp if self.sequence_parallel else 1.0  # norms and residuals: SP splits their tokens
+        bytes_per_token = nl * self.dtype_bytes * (_ELEMENTWISE_HIDDEN_RW * h * hidden_share + _ELEMENTWISE_FFN_RW * ffn)
         if self.post_process:  # logits written, softmax read and written, gradient written
             bytes_per_token += 4 * 4 * s["vocab_size"] / tp
-        self._dense_ms_per_token = flops_per_token / (hw.matmul_tflops * 1e9) + bytes_per_token / (hw.memory_gbps * 1e6)
+        # TP collectives: 4 per layer (attention and MLP, forward and backward), each a ring moving
+        # 2 (tp - 1) / tp of the layer's [tokens, h] activations per GPU.
+        comm_bytes_per_token = nl * 4 * 2 * (tp - 1) / tp * h * self.dtype_bytes
+        self._dense_ms_per_token = (flops_per_token / (hw.matmul_tflops * 1e9) + bytes_per_token / (hw.memory_gbps * 1e6)
+                                    + comm_bytes_per_token / (hw.tp_link_gbps * 1e6))
         weight_bytes = (weights * nl + out_weights) * self.dtype_bytes
         if self.pre_process:
             weight_bytes += h * s["vocab_size"] / tp * self.dtype_bytes
@@ -551,6 +567,7 @@ class AnalyticLatencyModel(LatencyModel):
             "shape": self.shape, "layers_per_stage": self.layers_per_stage, "block_size": self.block_size,
             "hardware": asdict(self.hardware), "dtype_bytes": self.dtype_bytes, "pre_process": self.pre_process,
             "post_process": self.post_process, "tensor_parallel_size": self.tensor_parallel_size,
+            "sequence_parallel": self.sequence_parallel,
         }
 
     @classmethod

@@ -42,10 +42,3 @@ def validate_tensor_parallel(shape, tp: int, sequence_parallel: bool, context_pa
                          f"({tp}): pad it with --make-vocab-size-divisible-by (Megatron-LM pads to a multiple of "
                          "that times TP)")
 
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron-LM's padded vocabulary: the next multiple of ``divisible_by x tp`` (``--make-vocab-size-divisible-by``)."""
-    if divisible_by < 1:
-        raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {divisible_by}")
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
