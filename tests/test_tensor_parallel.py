@@ -38,3 +38,151 @@ def test_tp2_with_and_without_sequence_parallel_equals_tp1_and_profiles_a_tp_sta
 
 def test_tp2_pp2_trains_resumes_bitwise_and_reshards_to_tp1_pp4_and_back_then_tp4(reference):
     run_workers(tp_cases.world4_cases, world=4, tp=2, pp=2, args=(reference, 7), timeout_s=400)
+
+
+# --- single-process checks of the pieces ---------------------------------------------------------
+
+def test_layouts_that_cannot_work_are_refused_by_name_before_any_process_group():
+    from megatron_sparsebalance.config import build_parser, config_from_args
+
+    parser = build_parser()
+
+    def validate(*flags, world):
+        config_from_args(parser.parse_args(["--model", "tiny", "--mock-data", *flags])).validate(world)
+
+    validate("--tensor-model-parallel-size", "2", "--sequence-parallel", world=2)
+    validate("--tensor-model-parallel-size", "4", "--sequence-parallel", world=4)  # 2 groups replicated on 4 ranks
+    for flags, world, match in (
+            (["--sequence-parallel"], 1, "--sequence-parallel .* needs --tensor-model-parallel-size > 1"),
+            (["--tensor-model-parallel-size", "8"], 8, r"--tensor-model-parallel-size \(8\) must divide --num-attention-heads \(4\)"),
+            (["--tensor-model-parallel-size", "3"], 3, "must divide --num-attention-heads"),
+            (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6, "not divisible")):
+        with pytest.raises(ValueError, match=match):
+            validate(*flags, world=world)
+
+
+def test_tensor_parallel_rules_of_the_shape():
+    from dataclasses import replace
+
+    from megatron_sparsebalance.training.model import MODEL_PRESETS
+    from megatron_sparsebalance.training.tensor_parallel import validate_tensor_parallel
+
+    qwen3b = MODEL_PRESETS["qwen2.5-3b"]  # 16 heads, 2 KV groups
+    for tp in (1, 2, 4, 8):
+        validate_tensor_parallel(qwen3b, tp, sequence_parallel=tp > 1)
+    for shape, tp, match in ((replace(qwen3b, num_query_groups=4), 8, None),
+                             (replace(qwen3b, num_query_groups=6, num_attention_heads=24), 4, "must divide --num-query-groups"),
+                             (replace(qwen3b, num_query_groups=3, num_attention_heads=24), 4, "multiple of it"),
+                             (replace(qwen3b, num_query_groups=4), 3, "--num-attention-heads"),
+                             (replace(qwen3b, ffn_hidden_size=1001), 2, "--ffn-hidden-size"),
+                             (replace(qwen3b, vocab_size=151937), 2, "--make-vocab-size-divisible-by")):
+        if match is None:
+            validate_tensor_parallel(shape, tp, False)
+        else:
+            with pytest.raises(ValueError, match=match):
+                validate_tensor_parallel(shape, tp, False)
+    with pytest.raises(ValueError, match="--context-parallel-size"):
+        validate_tensor_parallel(qwen3b, 2, True, context_parallel=2)
+
+
+def test_padding_for_sequence_parallel_is_a_masked_sequence_of_its_own():
+    import torch
+
+    from megatron_sparsebalance.data.synthetic import copy_task_batch
+    from megatron_sparsebalance.pipeline.schedule import MicroBatchPlan, PipelinePlan
+    from megatron_sparsebalance.training.step import pad_for_sequence_parallel
+
+    batch = copy_task_batch([515, 64, 9], 64, torch.Generator().manual_seed(0))  # 588 tokens
+    assert pad_for_sequence_parallel(batch, 2) is batch  # already a multiple
+    padded = pad_for_sequence_parallel(batch, 4)  # 588 = 4 x 147: also unchanged
+    assert padded is batch
+    padded = pad_for_sequence_parallel(batch, 5)  # 2 pad tokens
+    assert padded.tokens.shape == (1, 590) and padded.lengths == [515, 64, 9, 2]
+    assert torch.equal(padded.tokens[:, :588], batch.tokens) and torch.equal(padded.loss_mask[:, :588], batch.loss_mask)
+    assert padded.loss_mask[0, 588:].sum() == 0 and padded.position_ids[0, 588:].tolist() == [0, 1]
+    assert padded.packed_seq_params().cu_seqlens_q.tolist() == [0, 515, 579, 588, 590]
+    plan = PipelinePlan([MicroBatchPlan([515, 64, 9])], hidden_size=8)
+    assert plan.activation_shape(0) == (588, 1, 8)
+    assert plan.activation_shape(0, 5, sequence_parallel=True) == (118, 1, 8)  # ceil(588 / 5)
+    assert plan.activation_shape(0, 5, sequence_parallel=False) == (588, 1, 8)
+
+
+def test_tables_without_sequence_parallel_recorded_count_as_sp_off(tmp_path):
+    from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, LatencyModel, latency_metadata
+    from megatron_sparsebalance.training.model import MODEL_PRESETS
+
+    shape = MODEL_PRESETS["tiny"]
+    run_sp = latency_metadata(shape, 64, 2, "float32", "torch", "v1", gpu="cpu", tensor_parallel_size=2,
+                              sequence_parallel=True)
+    older = dict(run_sp, parallel_layout={"tp": 2, "pp": 1, "cp": 1})  # saved before SP was recorded
+    path = str(tmp_path / "older.json")
+    AnalyticLatencyModel(shape, 2, block_size=64, metadata=older).save(path)
+    LatencyModel.load(path, expect=dict(run_sp, parallel_layout={**run_sp["parallel_layout"], "sequence_parallel": False}))
+    with pytest.raises(ValueError, match="parallel_layout"):
+        LatencyModel.load(path, expect=run_sp)
+
+
+def test_analytic_model_prices_tensor_parallelism():
+    from megatron_sparsebalance.balance.latency import AnalyticLatencyModel
+    from megatron_sparsebalance.training.model import MODEL_PRESETS
+
+    shape = MODEL_PRESETS["qwen2.5-3b"]
+    one, two = (AnalyticLatencyModel(shape, 18, tensor_parallel_size=tp) for tp in (1, 2))
+    sp = AnalyticLatencyModel(shape, 18, tensor_parallel_size=2, sequence_parallel=True)
+    for lengths in ([65536], [8192] * 8):
+        t1, t2, tsp = (m.predict(lengths, 32) for m in (one, two, sp))
+        assert t1 / 2 < t2 < t1  # half the work, plus the collectives
+        assert tsp < t2  # SP splits the norms' and residuals' traffic
+        assert two.attention_flops(lengths, 32) == pytest.approx(one.attention_flops(lengths, 32) / 2)
+    with pytest.raises(ValueError, match="sequence_parallel needs"):
+        AnalyticLatencyModel(shape, 18, sequence_parallel=True)
+    back = AnalyticLatencyModel.from_dict(sp.to_dict())
+    assert back.predict([65536], 16) == pytest.approx(sp.predict([65536], 16))
+
+
+def test_simulator_models_tp_and_refuses_a_table_of_another_layout(tmp_path, capsys):
+    from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, latency_metadata
+    from megatron_sparsebalance.training.model import MODEL_PRESETS
+    from tools.simulate_pipeline import main as simulate
+
+    common = ["--model", "qwen2.5-3b", "--pp", "2", "--gpus", "8", "--iters", "1", "--warmup", "1", "--dist", "bimodal"]
+    rows = {tp: simulate(common + ["--tp", str(tp), "--sequence-parallel"] * (tp > 1)) for tp in (1, 2)}
+    base = {tp: next(r for r in rs if r["config"] == "baseline") for tp, rs in rows.items()}
+    assert base[2]["tp"] == 2 and base[2]["sequence_parallel"] and base[2]["dp"] == 2 and base[1]["dp"] == 4
+    shape = MODEL_PRESETS["qwen2.5-3b"]
+    table = str(tmp_path / "tp1.json")
+    AnalyticLatencyModel(shape, 18, metadata=latency_metadata(shape, 128, 18, pipeline_parallel_size=2,
+                                                              gpu="x", kernel_version="v")).save(table)
+    with pytest.raises(ValueError, match="parallel_layout"):
+        simulate(common + ["--tp", "2", "--sequence-parallel", "--latency-table", table])
+    with pytest.raises(SystemExit):
+        simulate(common + ["--tp", "3"])
+    assert "--tensor-model-parallel-size (3) must divide" in capsys.readouterr().err
+
+
+def test_e2e_tp_runs_are_valid_pretrain_configs_and_rows_follow_the_schema():
+    from benchmarks import e2e_tp
+    from megatron_sparsebalance.config import build_parser, config_from_args
+
+    parser = build_parser()
+    for smoke in (False, True):
+        args = e2e_tp.parse_args(["--smoke"] if smoke else [])
+        for layout in e2e_tp.LAYOUTS:
+            for config in layout.configs:
+                cfg = config_from_args(parser.parse_args(e2e_tp.pretrain_flags(args, layout, config)))
+                cfg.validate(4)
+                assert cfg.parallel.tensor_model_parallel_size == layout.tp
+                assert cfg.parallel.sequence_parallel == layout.sequence_parallel
+                assert (cfg.recompute.recompute_granularity == "full") == (layout.recompute == "full")
+    summary = dict(iter_ms=100.0, imbalance=1.2, bubble=0.3, loss=5.0, layout="x", stage_shares=[])
+    rows = [e2e_tp.schema_row(lay, 1, "m", "bimodal", c, dict(summary, iter_ms=ms), [1.0, 2.0])
+            for lay, c, ms in ((e2e_tp.LAYOUTS[0], "baseline", 300.0), (e2e_tp.LAYOUTS[1], "baseline", 200.0),
+                               (e2e_tp.LAYOUTS[1], "sab+dst", 160.0))]
+    e2e_tp.add_layout_speedups(rows)
+    assert [r["speedup"] for r in rows] == [1.0, 1.0, 1.25]
+    schema = {"model": str, "tp": int, "pp": int, "dp": int, "sequence_parallel": bool, "recompute": str, "dist": str,
+              "config": str, "iter_ms": float, "peak_mem_gib": float, "imbalance": float, "bubble": float,
+              "speedup": float}
+    for r in rows:
+        for key, kind in schema.items():
+            assert isinstance(r[key], kind), (key, r[key])
