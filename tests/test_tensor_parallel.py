@@ -129,15 +129,19 @@ def test_analytic_model_prices_tensor_parallelism():
     shape = MODEL_PRESETS["qwen2.5-3b"]
     one, two = (AnalyticLatencyModel(shape, 18, tensor_parallel_size=tp) for tp in (1, 2))
     sp = AnalyticLatencyModel(shape, 18, tensor_parallel_size=2, sequence_parallel=True)
+    linked = AnalyticLatencyModel(shape, 18, tensor_parallel_size=2, sequence_parallel=True, tp_link_gbps=300)
     for lengths in ([65536], [8192] * 8):
-        t1, t2, tsp = (m.predict(lengths, 32) for m in (one, two, sp))
-        assert t1 / 2 < t2 < t1  # half the work, plus the collectives
+        t1, t2, tsp, tlink = (m.predict(lengths, 32) for m in (one, two, sp, linked))
+        assert t1 / 2 < t2 < t1  # half the work, not half the fixed costs
         assert tsp < t2  # SP splits the norms' and residuals' traffic
+        # four collectives per layer, each moving 2 (tp-1)/tp of [tokens, h] bf16 at 300 GB/s
+        comm_ms = 18 * 4 * 1.0 * 2048 * 2 * sum(lengths) / 300e6
+        assert tlink - tsp == pytest.approx(comm_ms, rel=1e-6)
         assert two.attention_flops(lengths, 32) == pytest.approx(one.attention_flops(lengths, 32) / 2)
     with pytest.raises(ValueError, match="sequence_parallel needs"):
         AnalyticLatencyModel(shape, 18, sequence_parallel=True)
-    back = AnalyticLatencyModel.from_dict(sp.to_dict())
-    assert back.predict([65536], 16) == pytest.approx(sp.predict([65536], 16))
+    back = AnalyticLatencyModel.from_dict(linked.to_dict())
+    assert back.predict([65536], 16) == pytest.approx(linked.predict([65536], 16))
 
 
 def test_simulator_models_tp_and_refuses_a_table_of_another_layout(tmp_path, capsys):

@@ -147,6 +147,8 @@ def main(argv=None):
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size: the analytic stage splits its heads and "
                    "FFN over TP GPUs and pays the TP collectives; a --latency-table must have been profiled at it")
     p.add_argument("--sequence-parallel", action="store_true", help="the stages run with Megatron's sequence parallelism")
+    p.add_argument("--tp-link-gbps", type=float, default=300.0,
+                   help="with --tp > 1 and the analytic model: bus bandwidth of the TP collectives (GB/s per GPU, NVLink)")
     p.add_argument("--gpus", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024])
     p.add_argument("--dist", default="longtail")
     p.add_argument("--seq-length", type=int, default=65536)
@@ -191,7 +193,8 @@ def main(argv=None):
         else:
             latency = AnalyticLatencyModel(shape, shape.num_layers // args.pp, block_size=args.moba_block_size,
                                            hardware="h200", tensor_parallel_size=args.tp,
-                                           sequence_parallel=args.sequence_parallel)
+                                           sequence_parallel=args.sequence_parallel,
+                                           tp_link_gbps=args.tp_link_gbps if args.tp > 1 else None)
         rows = predict(args, latency, stage_costs)
     if args.out:
         with open(args.out, "w") as f:

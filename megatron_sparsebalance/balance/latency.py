@@ -424,8 +424,6 @@ class Hardware:
     """Fixed time per layer and micro-batch, forward+backward (launches, router, host syncs)."""
     microbatch_overhead_ms: float
     """Fixed time per micro-batch and stage (loss, schedule, layout building)."""
-    tp_link_gbps: float = 300.0
-    """Bus bandwidth of the tensor-parallel collectives within a node (GB/s achieved per GPU, NVLink)."""
 
 
 # Rough achieved figures; calibration corrects them.  H200 SXM: 989 dense bf16 TFLOP/s peak,
@@ -436,7 +434,7 @@ HARDWARE = {
     "h100": Hardware("h100", matmul_tflops=550.0, attention_tflops=230.0, memory_gbps=2700.0,
                      layer_overhead_ms=0.25, microbatch_overhead_ms=1.0),
     "cpu": Hardware("cpu", matmul_tflops=0.1, attention_tflops=0.02, memory_gbps=10.0,
-                    layer_overhead_ms=1.0, microbatch_overhead_ms=2.0, tp_link_gbps=1.0),
+                    layer_overhead_ms=1.0, microbatch_overhead_ms=2.0),
 }
 
 # FLOPs of one (query block x KV block) pair per query head, per B^2*d: forward QK^T and PV are
@@ -472,12 +470,14 @@ class AnalyticLatencyModel(LatencyModel):
         hardware: a :class:`Hardware` or a key of :data:`HARDWARE`.
         dtype_bytes: 2 for bf16/fp16, 4 for fp32.
         pre_process / post_process: the stage holds the embedding / the output layer and loss.
-        tensor_parallel_size: heads and FFN columns split over this many GPUs; each layer then
-            adds its TP collectives (two all-reduces forward and two backward of the layer's
-            activations, or under sequence parallelism the same bytes as all-gathers and
-            reduce-scatters) over the hardware's ``tp_link_gbps``.
+        tensor_parallel_size: heads and FFN columns split over this many GPUs.
         sequence_parallel: the norms and residuals run on ``1/TP`` of the tokens per GPU instead
             of all of them.
+        tp_link_gbps: bus bandwidth of the TP collectives (GB/s achieved per GPU; NVLink within a
+            node). Given, each layer adds its four collectives (an all-reduce of its ``[tokens, h]``
+            activations after attention and after the MLP, forward and backward; under sequence
+            parallelism the same bytes as all-gathers and reduce-scatters). Default: not priced
+            (online calibration absorbs them as part of the per-token cost).
     """
 
     kind = "analytic"
@@ -493,6 +493,7 @@ class AnalyticLatencyModel(LatencyModel):
         post_process: bool = False,
         tensor_parallel_size: int = 1,
         sequence_parallel: bool = False,
+        tp_link_gbps: Optional[float] = None,
         **common,
     ):
         super().__init__(**common)
@@ -505,6 +506,9 @@ class AnalyticLatencyModel(LatencyModel):
         self.post_process = bool(post_process)
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.sequence_parallel = bool(sequence_parallel)
+        self.tp_link_gbps = None if tp_link_gbps is None else float(tp_link_gbps)
+        if self.tp_link_gbps is not None and self.tp_link_gbps <= 0:
+            raise ValueError(f"tp_link_gbps must be > 0, got {tp_link_gbps}")
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_parallel_size > 1")
         if self.layers_per_stage < 1 or self.block_size < 1 or self.tensor_parallel_size < 1:
@@ -527,8 +531,9 @@ class AnalyticLatencyModel(LatencyModel):
         # TP collectives: 4 per layer (attention and MLP, forward and backward), each a ring moving
         # 2 (tp - 1) / tp of the layer's [tokens, h] activations per GPU.
         comm_bytes_per_token = nl * 4 * 2 * (tp - 1) / tp * h * self.dtype_bytes
+        comm_ms_per_token = comm_bytes_per_token / (self.tp_link_gbps * 1e6) if self.tp_link_gbps else 0.0
         self._dense_ms_per_token = (flops_per_token / (hw.matmul_tflops * 1e9) + bytes_per_token / (hw.memory_gbps * 1e6)
-                                    + comm_bytes_per_token / (hw.tp_link_gbps * 1e6))
+                                    + comm_ms_per_token)
         weight_bytes = (weights * nl + out_weights) * self.dtype_bytes
         if self.pre_process:
             weight_bytes += h * s["vocab_size"] / tp * self.dtype_bytes
@@ -567,7 +572,7 @@ class AnalyticLatencyModel(LatencyModel):
             "shape": self.shape, "layers_per_stage": self.layers_per_stage, "block_size": self.block_size,
             "hardware": asdict(self.hardware), "dtype_bytes": self.dtype_bytes, "pre_process": self.pre_process,
             "post_process": self.post_process, "tensor_parallel_size": self.tensor_parallel_size,
-            "sequence_parallel": self.sequence_parallel,
+            "sequence_parallel": self.sequence_parallel, "tp_link_gbps": self.tp_link_gbps,
         }
 
     @classmethod
