@@ -178,6 +178,11 @@ def test_e2e_tp_runs_are_valid_pretrain_configs_and_rows_follow_the_schema():
                 assert cfg.parallel.tensor_model_parallel_size == layout.tp
                 assert cfg.parallel.sequence_parallel == layout.sequence_parallel
                 assert (cfg.recompute.recompute_granularity == "full") == (layout.recompute == "full")
+    args = e2e_tp.parse_args(["--tp2pp2-recompute", "mlp"])
+    (tp2pp2,) = [lay for lay in e2e_tp.selected_layouts(args) if lay.tp == 2]
+    cfg = config_from_args(parser.parse_args(e2e_tp.pretrain_flags(args, tp2pp2, "sab+dst")))
+    cfg.validate(4)
+    assert tp2pp2.recompute == "selective:mlp" and cfg.recompute.recompute_modules == ("mlp",)
     summary = dict(iter_ms=100.0, imbalance=1.2, bubble=0.3, loss=5.0, layout="x", stage_shares=[])
     rows = [e2e_tp.schema_row(lay, 1, "m", "bimodal", c, dict(summary, iter_ms=ms), [1.0, 2.0])
             for lay, c, ms in ((e2e_tp.LAYOUTS[0], "baseline", 300.0), (e2e_tp.LAYOUTS[1], "baseline", 200.0),
