@@ -7,6 +7,7 @@ Every TP run uses DST with the coverage bound and checks that all TP ranks of a 
 same budget in every layer, and the same as the TP=1 run.
 """
 import json
+import os
 
 import pytest
 
@@ -38,6 +39,19 @@ def test_tp2_with_and_without_sequence_parallel_equals_tp1_and_profiles_a_tp_sta
 
 def test_tp2_pp2_trains_resumes_bitwise_and_reshards_to_tp1_pp4_and_back_then_tp4(reference):
     run_workers(tp_cases.world4_cases, world=4, tp=2, pp=2, args=(reference, 7), timeout_s=400)
+
+
+def test_standalone_entry_trains_at_tp2_with_sequence_parallel_dst_and_sab(tmp_path):
+    """``python -m megatron_sparsebalance.pretrain`` under torchrun at TP=2 with SP, DST and SAB."""
+    from tests.pretrain_cases import TINY, run_pretrain
+
+    log_dir = str(tmp_path / "run")
+    rc, err = run_pretrain([*TINY, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--dst-anchor", "mean",
+                            "--dst-p", "0.1", "--batching", "sab", "--train-iters", "6", "--log-dir", log_dir], nproc=2)
+    assert rc == 0, err[-3000:]
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
 
 
 # --- single-process checks of the pieces ---------------------------------------------------------
