@@ -47,11 +47,29 @@ def test_standalone_entry_trains_at_tp2_with_sequence_parallel_dst_and_sab(tmp_p
 
     log_dir = str(tmp_path / "run")
     rc, err = run_pretrain([*TINY, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--dst-anchor", "mean",
-                            "--dst-p", "0.1", "--batching", "sab", "--train-iters", "6", "--log-dir", log_dir], nproc=2)
+                            "--dst-p", "0.1", "--batching", "sab", "--train-iters", "6", "--log-dir", log_dir,
+                            "--eval-interval", "6", "--eval-iters", "1"], nproc=2)
     assert rc == 0, err[-3000:]
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         losses = [json.loads(line)["loss"] for line in f]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
+    with open(os.path.join(log_dir, "eval.jsonl")) as f:  # validation at TP=2: the vocabulary-parallel argmax
+        (row,) = [json.loads(line) for line in f]
+    assert row["iteration"] == 6 and 0 < row["loss"] < losses[0] and 0.0 <= row["token_acc"] <= 1.0, row
+
+
+def test_vocabulary_parallel_argmax_matches_the_whole_vocabulary():
+    import torch
+
+    from megatron_sparsebalance.training.evaluate import combine_vocab_parallel_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for tp in (2, 4):
+        logits = torch.randint(0, 5, (7, 3, 8 * tp), generator=gen).float()  # many ties
+        shards = logits.chunk(tp, dim=-1)
+        best = torch.stack([s.max(-1).values for s in shards])
+        index = torch.stack([s.max(-1).indices + r * 8 for r, s in enumerate(shards)]).float()
+        assert torch.equal(combine_vocab_parallel_argmax(best, index), logits.argmax(-1))
 
 
 # --- single-process checks of the pieces ---------------------------------------------------------
