@@ -227,3 +227,36 @@ def test_e2e_tp_runs_are_valid_pretrain_configs_and_rows_follow_the_schema():
     for r in rows:
         for key, kind in schema.items():
             assert isinstance(r[key], kind), (key, r[key])
+
+
+TRITON_ROUTER_WITH_TP_HOOKS = """
+# The Triton router with RouteSync hooks against the torch router with the same hooks (interpreter on CPU).
+import torch
+from megatron_sparsebalance.ops import BlockLayout
+from megatron_sparsebalance.ops.sparse_attention import RouteSync, _route_torch, _route_triton
+torch.manual_seed(0)
+lens = [300, 130]
+T = sum(lens)
+cu = torch.tensor([0, 300, 430], dtype=torch.int32)
+lay = BlockLayout.from_cu_seqlens(cu, 64, T)
+q, k = torch.randn(T, 2, 64), torch.randn(T, 1, 64)
+other = torch.randn(lay.num_blocks, 1, 64)
+sync = RouteSync(pooled_query=lambda pq: (pq + other) / 2, curve=lambda c: c * 0.9 + 0.1)
+for p in (None, 0.05):
+    a = _route_torch(q, k, lay, 2, 4, p, 4, sync)
+    b = _route_triton(q, k, lay, 2, 4, p, 4, sync)
+    va, vb = a[0].kv_idx >= 0, b[0].kv_idx >= 0
+    assert torch.equal(a[0].kv_cnt, b[0].kv_cnt) and torch.equal(a[0].kv_idx[va], b[0].kv_idx[vb])
+    assert torch.allclose(a[1], b[1], atol=1e-5), (a[1], b[1])
+    assert int(a[2]) == int(b[2])
+print("OK")
+"""
+
+
+def test_triton_router_applies_the_tensor_parallel_hooks_as_the_torch_router_does():
+    """Under TP the Triton router serves layers with replicated KV groups and bounded budgets: its
+    pooled queries and curve go through the same hooks as the torch router's (Triton's interpreter)."""
+    pytest.importorskip("triton")
+    from tests.checks import run_interpreted
+
+    run_interpreted(TRITON_ROUTER_WITH_TP_HOOKS, timeout_s=300)

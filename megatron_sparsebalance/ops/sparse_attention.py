@@ -150,18 +150,19 @@ def route(
 def gpu_router(q: torch.Tensor, layout: BlockLayout, sync: Optional[RouteSync] = None, bounded: bool = False):
     """The GPU router that serves this pack (``_route_cuda`` or ``_route_triton``), or None.
 
-    Under tensor parallelism, queries pooled over ranks need the torch router (the GPU routers
-    pool inside their launches), and a coverage bound over a reduced curve needs a router that
-    takes the budget from the device between curve and selection (Triton's or torch's: the CUDA
-    router chooses inside its launch, from this rank's curve only).
+    Under tensor parallelism the CUDA router serves only where nothing must cross ranks inside
+    its launches: it pools the queries and chooses the bounded budget there, from this rank's
+    heads. Queries pooled over ranks (``num_query_groups < TP``) and a coverage bound over the
+    reduced curve take the Triton router (pooling, then the hook; curve, then the reduce, then
+    the selection at the device budget), else the torch router.
     """
     if q.device.type != "cuda":
         return None
     sync = sync or RouteSync()
-    if sync.pooled_query is not None:
-        return None
+    crosses_ranks_in_launch = sync.pooled_query is not None or (bounded and sync.curve is not None)
     head_dim = q.shape[-1]
-    if (not (bounded and sync.curve is not None) and native.cuda_kernels_run_on(q.device) and head_dim <= native.native().router_max_head_dim
+    if (not crosses_ranks_in_launch and native.cuda_kernels_run_on(q.device)
+            and head_dim <= native.native().router_max_head_dim
             and layout.max_blocks_per_seq - 1 <= native.native().router_max_candidates):
         return _route_cuda
     # the Triton pooling reads a head as one power-of-two vector; other head dims use the torch router
@@ -202,7 +203,7 @@ def _route_triton(q, k, layout, k_request, k_base, p, curve_len, sync):
     the curve must exist before the budget is chosen)."""
     from megatron_sparsebalance.ops import triton_router
 
-    dots = triton_router.pooled_dots(q, k, layout)
+    dots = triton_router.pooled_dots(q, k, layout, sync.pooled_query)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if p is None:
         kv_idx, kv_cnt, curve = triton_router.select_and_cover(
