@@ -244,7 +244,7 @@ def close(a: float, b: float) -> bool:
 def world4_cases(root: str, seed: int) -> None:
     """World 4 in one launch: TP=2 x PP=2 (equality, stop + resume bitwise, save), TP=1 x PP=4
     (load that, evaluate, train a step, save), TP=2 x PP=2 again (load that back), TP=4 (equality,
-    KV groups replicated over two ranks each)."""
+    KV groups replicated over two ranks each), TP=2 x DP=2 (the figures count TP groups once)."""
     assert parallel_state.get_tensor_model_parallel_world_size() == 2
     equals_reference(root, seed, sequence_parallel=True)
 
@@ -278,3 +278,27 @@ def world4_cases(root: str, seed: int) -> None:
 
     relayout(tp=4, pp=1)
     equals_reference(root, seed, sequence_parallel=True)
+
+    relayout(tp=2, pp=1)  # DP=2 replicas, each a TP group
+    replicas_are_tp_groups(seed)
+
+
+OTHER_REPLICA = [[64, 64, 64], [333], [200, 7], [128]]
+
+
+def replicas_are_tp_groups(seed: int) -> None:
+    """TP=2 x DP=2: DST plans both replicas' micro-batches; the iteration's figures count each
+    (stage, replica) once, not once per TP rank."""
+    assert parallel_state.get_data_parallel_world_size() == 2
+    dp_rank = parallel_state.get_data_parallel_rank()
+    trainer = make_trainer(sequence_parallel=True)
+    lengths = [LENGTHS, OTHER_REPLICA]
+    step = trainer.train_step(lengths, micro_batches(lengths[dp_rank], seed + dp_rank))
+    m = step.metrics
+    assert len(m.records) == 2 and sorted(r.dp_rank for r in m.records) == [0, 1]
+    assert len(m.micro_batch_ms) == len(m.budgets) == 8 and len(m.bubble) == 1
+    mine = m.budgets[4 * dp_rank: 4 * dp_rank + 4]
+    expected = [mb.budget for mb in step.plan.micro_batches]
+    # every layer took the request, or the coverage bound kept it between the request and k_base
+    assert all(min(e, DST.k_base) <= b <= max(e, DST.k_base) for b, e in zip(mine, expected)), (mine, expected)
+    assert m.imbalance == max(m.micro_batch_ms) / (sum(m.micro_batch_ms) / 8)
