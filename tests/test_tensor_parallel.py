@@ -1,10 +1,11 @@
 """Tensor and sequence parallelism over real gloo processes (bodies in tests/tp_cases.py).
 
-One TP=1 unpipelined reference, then two launches: TP=2 (world 2, with and without sequence
-parallelism) and world 4 (TP=2 x PP=2 with SP: equality, stop + resume bitwise, checkpoint to
-TP=1 x PP=4 and back; then TP=4, where megatron-core replicates each KV group on two ranks).
-Every TP run uses DST with the coverage bound and checks that all TP ranks of a stage used the
-same budget in every layer, and the same as the TP=1 run.
+One TP=1 unpipelined reference, then two launches: TP=2 (world 2: with and without sequence
+parallelism, the latency profiler on the TP group, the standalone entry's pretrain) and world 4
+(TP=2 x PP=2 with SP: equality, stop + resume bitwise, checkpoint to TP=1 x PP=4 and back; TP=4,
+where megatron-core replicates each KV group on two ranks; TP=2 x DP=2). Every TP run uses DST
+with the coverage bound and checks that all TP ranks of a stage used the same budget in every
+layer, and the same as the TP=1 run. Then single-process checks of the pieces.
 """
 import json
 import os
@@ -12,7 +13,6 @@ import os
 import pytest
 
 from megatron_sparsebalance.balance.latency import ProfiledLatencyModel
-
 from tests import tp_cases
 from tests.distributed import run_workers
 
@@ -24,9 +24,21 @@ def reference(tmp_path_factory):
     return root
 
 
-def test_tp2_with_and_without_sequence_parallel_equals_tp1_and_profiles_a_tp_stage(reference, tmp_path):
-    table = str(tmp_path / "tp2_sp.json")
-    run_workers(tp_cases.equality_cases, world=2, tp=2, args=(reference, 7, table))
+def test_tp2_with_and_without_sequence_parallel_equals_tp1_profiles_and_trains(reference, tmp_path):
+    """TP=2 (world 2): equality with and without SP; the profiler on the TP group (its table's
+    layout); the standalone entry's ``pretrain`` at TP=2 with SP, DST, SAB and validation."""
+    from tests.pretrain_cases import TINY
+
+    table, log_dir = str(tmp_path / "tp2_sp.json"), str(tmp_path / "run")
+    argv = [*TINY, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--dst-anchor", "mean", "--dst-p", "0.1",
+            "--batching", "sab", "--train-iters", "6", "--log-dir", log_dir, "--eval-interval", "6", "--eval-iters", "1"]
+    run_workers(tp_cases.equality_cases, world=2, tp=2, args=(reference, 7, table, argv))
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
+    with open(os.path.join(log_dir, "eval.jsonl")) as f:  # validation at TP=2: the vocabulary-parallel argmax
+        (row,) = [json.loads(line) for line in f]
+    assert row["iteration"] == 6 and 0 < row["loss"] < losses[0] and 0.0 <= row["token_acc"] <= 1.0, row
     meta = json.load(open(table))["metadata"]
     assert meta["parallel_layout"] == {"tp": 2, "pp": 1, "cp": 1, "sequence_parallel": True}
     run = dict(meta, parallel_layout={"tp": 2, "pp": 1, "cp": 1, "sequence_parallel": True})
@@ -39,23 +51,6 @@ def test_tp2_with_and_without_sequence_parallel_equals_tp1_and_profiles_a_tp_sta
 
 def test_tp2_pp2_trains_resumes_bitwise_and_reshards_to_tp1_pp4_and_back_then_tp4(reference):
     run_workers(tp_cases.world4_cases, world=4, tp=2, pp=2, args=(reference, 7), timeout_s=400)
-
-
-def test_standalone_entry_trains_at_tp2_with_sequence_parallel_dst_and_sab(tmp_path):
-    """``python -m megatron_sparsebalance.pretrain`` under torchrun at TP=2 with SP, DST and SAB."""
-    from tests.pretrain_cases import TINY, run_pretrain
-
-    log_dir = str(tmp_path / "run")
-    rc, err = run_pretrain([*TINY, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--dst-anchor", "mean",
-                            "--dst-p", "0.1", "--batching", "sab", "--train-iters", "6", "--log-dir", log_dir,
-                            "--eval-interval", "6", "--eval-iters", "1"], nproc=2)
-    assert rc == 0, err[-3000:]
-    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        losses = [json.loads(line)["loss"] for line in f]
-    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
-    with open(os.path.join(log_dir, "eval.jsonl")) as f:  # validation at TP=2: the vocabulary-parallel argmax
-        (row,) = [json.loads(line) for line in f]
-    assert row["iteration"] == 6 and 0 < row["loss"] < losses[0] and 0.0 <= row["token_acc"] <= 1.0, row
 
 
 def test_vocabulary_parallel_argmax_matches_the_whole_vocabulary():

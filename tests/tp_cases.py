@@ -166,8 +166,9 @@ def equals_reference(root: str, seed: int, sequence_parallel: bool) -> None:
     assert plan.measured.budgets == ref["budgets"], (plan.measured.budgets, ref["budgets"])
 
 
-def equality_cases(root: str, seed: int, table_path: str) -> None:
-    """With and without sequence parallelism, then the latency profiler on this TP group, in one launch."""
+def equality_cases(root: str, seed: int, table_path: str, pretrain_argv: list) -> None:
+    """With and without sequence parallelism, the latency profiler on this TP group, then the
+    standalone entry's ``pretrain`` with ``pretrain_argv``, in one launch."""
     for sp in (True, False):
         try:
             equals_reference(root, seed, sp)
@@ -178,6 +179,10 @@ def equality_cases(root: str, seed: int, table_path: str) -> None:
     profile_main(["--model", "tiny", "--layers-per-stage", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                   "--moba-block-size", "64", "--sparse-attn-impl", "torch", "--fp32", "--lengths", "128", "256",
                   "--budgets", "1", "2", "--warmup", "0", "--iters", "1", "--min-time-s", "0", "--out", table_path])
+    from megatron_sparsebalance.config import parse_config
+    from megatron_sparsebalance.pretrain import pretrain
+
+    pretrain(parse_config(pretrain_argv))
 
 
 # --- training at TP=2 x PP=2: stop + resume bitwise, and checkpoints resharded to TP=1 x PP=4 and back ---
