@@ -226,7 +226,8 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) != 4:
-        raise SystemExit("benchmarks.e2e_tp runs on 4 processes: torchrun --standalone --nproc_per_node 4 -m benchmarks.e2e_tp")
+        raise SystemExit("benchmarks.e2e_tp runs on 4 processes: "
+                         "torchrun --standalone --nproc_per_node 4 -m benchmarks.e2e_tp")
     from megatron_sparsebalance.training.dist import destroy_distributed
 
     result = run(args)

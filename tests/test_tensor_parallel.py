@@ -81,7 +81,8 @@ def test_layouts_that_cannot_work_are_refused_by_name_before_any_process_group()
     validate("--tensor-model-parallel-size", "4", "--sequence-parallel", world=4)  # 2 groups replicated on 4 ranks
     for flags, world, match in (
             (["--sequence-parallel"], 1, "--sequence-parallel .* needs --tensor-model-parallel-size > 1"),
-            (["--tensor-model-parallel-size", "8"], 8, r"--tensor-model-parallel-size \(8\) must divide --num-attention-heads \(4\)"),
+            (["--tensor-model-parallel-size", "8"], 8,
+             r"--tensor-model-parallel-size \(8\) must divide --num-attention-heads \(4\)"),
             (["--tensor-model-parallel-size", "3"], 3, "must divide --num-attention-heads"),
             (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6, "not divisible")):
         with pytest.raises(ValueError, match=match):
@@ -98,7 +99,8 @@ def test_tensor_parallel_rules_of_the_shape():
     for tp in (1, 2, 4, 8):
         validate_tensor_parallel(qwen3b, tp, sequence_parallel=tp > 1)
     for shape, tp, match in ((replace(qwen3b, num_query_groups=4), 8, None),
-                             (replace(qwen3b, num_query_groups=6, num_attention_heads=24), 4, "must divide --num-query-groups"),
+                             (replace(qwen3b, num_query_groups=6, num_attention_heads=24), 4,
+                              "must divide --num-query-groups"),
                              (replace(qwen3b, num_query_groups=3, num_attention_heads=24), 4, "multiple of it"),
                              (replace(qwen3b, num_query_groups=4), 3, "--num-attention-heads"),
                              (replace(qwen3b, ffn_hidden_size=1001), 2, "--ffn-hidden-size"),

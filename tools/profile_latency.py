@@ -214,8 +214,12 @@ class StageProfiler:
                              f"--tensor-model-parallel-size ({self.tensor_parallel_size})")
         # Under sequence parallelism a stage's input and output are its rank's share of the tokens.
         T_act = T // self.tensor_parallel_size if self.sequence_parallel else T
-        hidden = None if self.pre_process else torch.randn(T_act, 1, h, generator=self._gen).to(self.device, self.dtype).requires_grad_()
-        grad = None if self.post_process else torch.randn(T_act, 1, h, generator=self._gen).to(self.device, self.dtype)
+
+        def activation():
+            return torch.randn(T_act, 1, h, generator=self._gen).to(self.device, self.dtype)
+
+        hidden = None if self.pre_process else activation().requires_grad_()
+        grad = None if self.post_process else activation()
 
         def step():
             if hidden is not None:

@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from megatron_sparsebalance.balance.dst import CoverageFloor, DSTConfig, PipelineShape, plan_budgets
+from megatron_sparsebalance.data.synthetic import PackedBatch
 from megatron_sparsebalance.pipeline.schedule import MicroBatchPlan, PipelinePlan
 
 
@@ -37,7 +38,7 @@ def gpt_forward_step(data_iterator, model):
     return output, loss_func
 
 
-def pad_for_sequence_parallel(batch, tp: int):
+def pad_for_sequence_parallel(batch: PackedBatch, tp: int) -> PackedBatch:
     """``batch`` with its token count made a multiple of ``tp`` (sequence parallelism splits the
     pack's tokens evenly over the TP ranks).
 
@@ -48,8 +49,6 @@ def pad_for_sequence_parallel(batch, tp: int):
     gradients and the routing of the real tokens are those of the unpadded pack, exactly. The
     schedule's activation shapes round up the same way (``PipelinePlan.activation_shape``).
     """
-    from megatron_sparsebalance.data.synthetic import PackedBatch
-
     tokens = batch.tokens.shape[-1]
     pad = -tokens % tp
     if pad == 0:
