@@ -38,6 +38,7 @@ from megatron_sparsebalance.training.model import (
 )
 from megatron_sparsebalance.training.outer_sync import DPCommConfig
 from megatron_sparsebalance.training.step import pipeline_layer_split
+from megatron_sparsebalance.training.tensor_parallel import validate_tensor_parallel
 from megatron_sparsebalance.training.trainer import OptimSettings
 
 
@@ -226,7 +227,7 @@ def _pick(value, default):
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
-    """Tensor parallel size (TP). Only 1 is supported for now."""
+    """Tensor parallel size (TP): heads, KV groups, FFN columns and vocabulary split over this many ranks."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages (PP); the schedule is SparseBalance's 1F1B."""
     decoder_first_pipeline_num_layers: Optional[int] = None
@@ -240,7 +241,8 @@ class ParallelConfig:
     distributed_timeout_minutes: int = 10
     """Timeout of the process groups' collectives (torch.distributed's init_process_group), as Megatron-LM."""
     sequence_parallel: bool = False
-    """Megatron's sequence parallelism over the tensor-parallel group; with
+    """Megatron's sequence parallelism over the tensor-parallel group: norms and activations between
+    layers and stages split by tokens over the TP ranks, packs padded to a multiple of TP. With
     --tensor-model-parallel-size 1 it is turned off with a warning, as Megatron-LM does."""
     account_for_embedding_in_pipeline_split: bool = False
     """Count the input embedding as one layer of the first pipeline stage when splitting the layers
@@ -546,9 +548,7 @@ class SparseBalanceConfig:
         self._validate_device_flags()
         par, tr = self.parallel, self.training
         self.split.validate(par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
-        if par.tensor_model_parallel_size != 1:
-            raise ValueError("--tensor-model-parallel-size > 1 is not supported yet (use PP and DP); got "
-                             f"{par.tensor_model_parallel_size}")
+        validate_tensor_parallel(self.model_shape(), par.tensor_model_parallel_size, self.sequence_parallel)
         if par.pipeline_model_parallel_size < 1:
             raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {par.pipeline_model_parallel_size}")
         if par.num_layers_per_virtual_pipeline_stage is not None:

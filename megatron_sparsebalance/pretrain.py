@@ -81,6 +81,8 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
                             cfg.sparse.moba_block_size)
         expect = latency_metadata(shape, cfg.sparse.moba_block_size, nl, "bfloat16" if cfg.training.bf16 else "float32",
                                   kernel_impl=impl, pipeline_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+                                  tensor_parallel_size=cfg.parallel.tensor_model_parallel_size,
+                                  sequence_parallel=cfg.sequence_parallel,
                                   gpu=None if device.type == "cuda" else "cpu",
                                   recompute=cfg.recompute.transformer_config_kwargs())
         # The plan must be the same on every rank, so all stages plan with one table; which stage
@@ -94,7 +96,8 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
         if hardware == "auto":
             hardware = "h200" if device.type == "cuda" else "cpu"
         model = AnalyticLatencyModel(shape, nl, block_size=cfg.sparse.moba_block_size, hardware=hardware,
-                                     dtype_bytes=2 if cfg.training.bf16 else 4)
+                                     dtype_bytes=2 if cfg.training.bf16 else 4,
+                                     tensor_parallel_size=cfg.parallel.tensor_model_parallel_size)
     # DST's choices: --dst-budgets (else the model's own set), always with k_base among them.
     model.candidates = tuple(sorted(set(cfg.dst.dst_budgets or model.candidates) | {cfg.sparse.moba_topk}))
     model.k_min = max(model.k_min, cfg.dst.dst_k_min)

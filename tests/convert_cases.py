@@ -32,9 +32,14 @@ def pipelined_logits(cases):
                 dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
                 model.set_input_tensor(hidden)
             out = model(tokens if first else None, position_ids, None)
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            if last and dist.get_world_size(tp_group) > 1:  # logits come split by vocabulary over TP
+                parts = [torch.empty_like(out) for _ in range(dist.get_world_size(tp_group))]
+                dist.all_gather(parts, out.contiguous(), group=tp_group)
+                out = torch.cat(parts, -1)
             if not last:
                 dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             else:
                 ref = torch.load(ref_path)
                 report = compare_logits(ref, out[..., : ref.shape[-1]].float(), FP32)
-                assert report.passed, f"{ckpt} at PP={pp}: {report.line()}"
+                assert report.passed, f"{ckpt} at PP={pp}, TP={dist.get_world_size(tp_group)}: {report.line()}"

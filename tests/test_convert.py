@@ -139,6 +139,26 @@ def test_megatron_logits_match_hf_at_pp2(converted, tmp_path):
     run_workers(pipelined_logits, world=2, pp=2, args=(cases,), timeout_s=120)
 
 
+def test_vocabulary_padded_for_a_target_tp_loads_at_tp2(converted, tmp_path):
+    """--target-tensor-model-parallel-size 2 pads the vocabulary as Megatron-LM does at TP=2 (a
+    multiple of --make-vocab-size-divisible-by x 2: 300 -> 512, where TP=1 gives 384); two gloo
+    processes load the checkpoint at TP=2 and match the HF logits."""
+    name = "qwen2_tied"
+    mc = str(tmp_path / "tp2_mcore")
+    assert cli(["hf-to-mcore", "--hf-dir", converted[name]["hf"], "--save", mc,
+                "--target-tensor-model-parallel-size", "2"]) == 0
+    common = checkpoint_common(os.path.join(mc, "iter_0000000"))
+    assert common["model_shape"]["vocab_size"] == 512 and "--vocab-size 512" in common["megatron_flags"]
+    assert common["target_tensor_model_parallel_size"] == 2
+    tokens = verify_tokens(CASES[name][1]["vocab_size"], 96, 2, seed=11)
+    torch.save(tokens, tmp_path / "tokens.pt")
+    torch.save(hf_logits(converted[name]["hf"], tokens), tmp_path / "ref.pt")
+    run_workers(pipelined_logits, world=2, tp=2, args=([(mc, str(tmp_path / "tokens.pt"), str(tmp_path / "ref.pt"))],),
+                timeout_s=120)
+    assert cli(["hf-to-mcore", "--hf-dir", converted[name]["hf"], "--save", str(tmp_path / "tp3"),
+                "--target-tensor-model-parallel-size", "3"]) == 2  # 3 does not divide the 4 heads
+
+
 def test_verify_catches_a_naive_qkv_concatenation(converted, tmp_path, monkeypatch):
     """[Q; K; V] instead of the per-group layout has the right shapes and runs: --verify must fail."""
     monkeypatch.setattr(mapping, "_group_qkv", lambda q, k, v, ng: torch.cat([q, k, v], 0))

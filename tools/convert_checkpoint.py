@@ -45,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors)")
     h.add_argument("--save", required=True, help="output checkpoint root (Megatron-LM layout)")
     h.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the embedding rows to a multiple of this (Megatron-LM's flag; use 128 x TP)")
+                   help="pad the embedding rows to a multiple of this x --target-tensor-model-parallel-size "
+                        "(Megatron-LM's flag and rule)")
+    h.add_argument("--target-tensor-model-parallel-size", type=int, default=1,
+                   help="the TP the vocabulary is padded for, as a Megatron-LM run at that TP pads it; also "
+                        "checks that this TP splits the heads, KV groups and FFN")
     h.add_argument("--target-pipeline-model-parallel-size", type=int, default=1,
                    help="check that this pipeline layout divides the layers (the checkpoint loads at any that does)")
     _add_verify_flags(h)
@@ -79,7 +83,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "hf-to-mcore":
             convert_hf_to_mcore(args.hf_dir, args.save, args.make_vocab_size_divisible_by,
-                                args.target_pipeline_model_parallel_size, verify, record)
+                                args.target_pipeline_model_parallel_size, verify, record,
+                                target_tensor_parallel_size=args.target_tensor_model_parallel_size)
         else:
             convert_mcore_to_hf(args.load, args.save, args.hf_config, args.dtype, args.make_vocab_size_divisible_by,
                                 verify, record, max_shard_bytes=int(args.max_shard_size_gb * 1024**3))

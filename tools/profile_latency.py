@@ -21,6 +21,14 @@ wall clock, so the tool also runs (slowly, on small grids) without a GPU.
 Example (H200, Qwen2.5-0.5B with PP=4: 6 layers per stage):
   python tools/profile_latency.py --model qwen2.5-0.5b --layers-per-stage 6 \\
       --pipeline-model-parallel-size 4 --sparse-attn-impl triton --out latency_0.5b_h200.json
+
+A tensor-parallel stage is profiled on its TP group, one process per GPU (the table records TP
+and sequence parallelism, and a run of another layout refuses it):
+  torchrun --nproc-per-node 2 tools/profile_latency.py --model qwen2.5-3b --tensor-model-parallel-size 2 \\
+      --sequence-parallel --pipeline-model-parallel-size 2 --out latency_3b_tp2pp2.json
+The ranks of the group time the same points in lockstep (their collectives need it): how long a
+point is timed and whether it is host-bound are agreed over the group, and a point's time is its
+slowest rank's (a TP stage waits for all its ranks). Rank 0 writes the table.
 """
 from __future__ import annotations
 
@@ -43,6 +51,7 @@ from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
 from megatron_sparsebalance.training.dist import init_distributed
 from megatron_sparsebalance.training.manual_gc import ManualGC
 from megatron_sparsebalance.training.model import MODEL_PRESETS, RecomputeSettings, build_gpt_model, transformer_config
+from megatron_sparsebalance.training.tensor_parallel import validate_tensor_parallel
 
 GRID_HELP = """\
 Grid choice. Lengths: powers of two from 1K to 64K by default (the range of the paper's data
@@ -80,6 +89,9 @@ class StageProfiler:
             by 10-25% from one step to the next; more samples steady its median at little cost.
     """
 
+    tensor_parallel_size = 1  # a stage of one GPU unless built at a TP
+    sequence_parallel = False
+
     def __init__(
         self,
         model_name: str,
@@ -94,8 +106,11 @@ class StageProfiler:
         seed: int = 1234,
         min_time_s: float = 0.0,
         recompute: Optional[RecomputeSettings] = None,
+        tensor_parallel_size: int = 1,
+        sequence_parallel: bool = False,
     ):
         self.min_time_s = min_time_s
+        self.tensor_parallel_size, self.sequence_parallel = tensor_parallel_size, sequence_parallel
         self.last_host_fraction = 1.0  # of the last timed point (see _timed)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.bf16 = (self.device.type == "cuda") if bf16 is None else bf16
@@ -106,7 +121,7 @@ class StageProfiler:
         self.pre_process, self.post_process = pre_process, post_process
         self.impl = resolve_impl(impl, self.device)
         enable_cpu_megatron()
-        init_distributed()
+        init_distributed(tensor_parallel_size=tensor_parallel_size)
         torch.manual_seed(seed)
         if self.device.type == "cuda":
             # Megatron initialises weights on the GPU under its tensor-parallel RNG tracker,
@@ -116,7 +131,8 @@ class StageProfiler:
             model_parallel_cuda_manual_seed(seed)
         self.sparse = SparseAttentionConfig(moba_block_size=block_size, sparse_attn_impl=self.impl).validate()
         self.recompute = recompute or RecomputeSettings()
-        config = transformer_config(self.shape, bf16=self.bf16, num_layers=layers_per_stage, recompute=self.recompute)
+        config = transformer_config(self.shape, bf16=self.bf16, num_layers=layers_per_stage, recompute=self.recompute,
+                                    tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel)
         self.model = build_gpt_model(
             self.shape, self.sparse, config, max_sequence_length=max_length,
             pre_process=pre_process, post_process=post_process,
@@ -135,6 +151,17 @@ class StageProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _over_tp(self, value: float) -> float:
+        """The largest ``value`` over the TP group (the value itself at TP=1)."""
+        if self.tensor_parallel_size == 1:
+            return value
+        from megatron.core import parallel_state
+
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_tensor_model_parallel_group())
+        return float(t)
+
     def _timed(self, step, warmup: int, iters: int) -> float:
         """Median ms of ``step()`` after ``warmup`` untimed calls: ``iters`` timed calls, more while
         under ``min_time_s`` of measured time.
@@ -149,7 +176,9 @@ class StageProfiler:
         self._sync()
         times, issue = [], []
         with ManualGC(True, 0):
-            while len(times) < iters or (sum(times) < self.min_time_s * 1e3 and len(times) < MAX_TIMED_ITERS):
+            # agreed over TP: every rank of the group must call the step as often as the others
+            while len(times) < iters or (self._over_tp(sum(times) < self.min_time_s * 1e3)
+                                         and len(times) < MAX_TIMED_ITERS):
                 t0 = time.perf_counter()
                 if self.device.type == "cuda":
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -163,8 +192,8 @@ class StageProfiler:
                     step()
                     times.append((time.perf_counter() - t0) * 1e3)
                     issue.append(times[-1])
-        ms = statistics.median(times)
-        self.last_host_fraction = min(1.0, statistics.median(issue) / ms) if ms > 0 else 1.0
+        ms = self._over_tp(statistics.median(times))
+        self.last_host_fraction = self._over_tp(min(1.0, statistics.median(issue) / ms) if ms > 0 else 1.0)
         return ms
 
     def _packed_params(self, lengths: Sequence[int]):
@@ -180,8 +209,17 @@ class StageProfiler:
         h = self.shape.hidden_size
         pos = torch.cat([torch.arange(n) for n in lengths])[None].to(self.device)
         tokens = torch.randint(0, self.shape.vocab_size, (1, T), generator=self._gen).to(self.device)
-        hidden = None if self.pre_process else torch.randn(T, 1, h, generator=self._gen).to(self.device, self.dtype).requires_grad_()
-        grad = None if self.post_process else torch.randn(T, 1, h, generator=self._gen).to(self.device, self.dtype)
+        if self.sequence_parallel and T % self.tensor_parallel_size:
+            raise ValueError(f"--sequence-parallel: a profiled pack of {T} tokens must be a multiple of "
+                             f"--tensor-model-parallel-size ({self.tensor_parallel_size})")
+        # Under sequence parallelism a stage's input and output are its rank's share of the tokens.
+        T_act = T // self.tensor_parallel_size if self.sequence_parallel else T
+
+        def activation():
+            return torch.randn(T_act, 1, h, generator=self._gen).to(self.device, self.dtype)
+
+        hidden = None if self.pre_process else activation().requires_grad_()
+        grad = None if self.post_process else activation()
 
         def step():
             if hidden is not None:
@@ -235,6 +273,7 @@ class StageProfiler:
             gpu=device_name() if self.device.type == "cuda" else "cpu", pre_process=self.pre_process,
             post_process=self.post_process, tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size, recompute=self.recompute.transformer_config_kwargs(),
+            sequence_parallel=self.sequence_parallel,
         )
 
 
@@ -271,6 +310,9 @@ def profile(
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if tensor_parallel_size > 1 and time_budget_s is not None:
+        # the ranks' clocks would drop lengths at different points and leave the group's collectives unmatched
+        raise ValueError("time_budget_s is not supported for a tensor-parallel stage")
     lengths, budgets = sorted(set(lengths)), sorted(set(budgets))
     B, nl = profiler.block_size, profiler.layers_per_stage
     t_start = time.perf_counter()
@@ -407,7 +449,9 @@ def parse_args(argv=None):
                    help="transformer layers of the profiled stage (default: num_layers / --pipeline-model-parallel-size)")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="recorded in the table's parallel layout")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="recorded in the table's parallel layout (the profile itself runs on one GPU: only 1 is supported)")
+                   help="profile a TP stage: run under torchrun with this many processes (one per GPU)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="the stage runs with Megatron's sequence parallelism (needs TP > 1; --lengths multiples of TP)")
     p.add_argument("--stage", choices=("middle", "first", "last", "only"), default="middle",
                    help="which stage: first holds the embedding, last the output layer and loss, only both")
     p.add_argument("--moba-block-size", type=int, default=128)
@@ -432,9 +476,18 @@ def parse_args(argv=None):
     p.add_argument("--recompute-num-layers", type=int, default=None)
     p.add_argument("--out", required=True, help="where to write the JSON table")
     args = p.parse_args(argv)
-    if args.tensor_model_parallel_size != 1:
-        p.error("--tensor-model-parallel-size > 1 is not supported by the single-GPU profiler yet")
     shape = MODEL_PRESETS[args.model]
+    tp = args.tensor_model_parallel_size
+    try:
+        validate_tensor_parallel(shape, tp, args.sequence_parallel)
+    except ValueError as e:
+        p.error(str(e))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp:
+        p.error(f"--tensor-model-parallel-size {tp} profiles one TP group: run {tp} processes (torchrun "
+                f"--nproc-per-node {tp}), not {world}")
+    if args.sequence_parallel and any(L % tp for L in args.lengths):
+        p.error(f"--sequence-parallel: --lengths must be multiples of --tensor-model-parallel-size ({tp})")
     if args.layers_per_stage is None:
         if shape.num_layers % args.pipeline_model_parallel_size:
             p.error(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} does not divide "
@@ -460,15 +513,17 @@ def main(argv=None) -> ProfiledLatencyModel:
         args.model, args.layers_per_stage, block_size=args.moba_block_size, impl=args.sparse_attn_impl,
         pre_process=args.stage in ("first", "only"), post_process=args.stage in ("last", "only"),
         bf16=False if args.fp32 else None, max_length=max(args.lengths), min_time_s=args.min_time_s,
-        recompute=args.recompute,
+        recompute=args.recompute, tensor_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
     )
     print(f"profiling {args.model}, {args.layers_per_stage} layers ({args.stage} stage), block {args.moba_block_size}, "
           f"attention {profiler.impl}, {profiler.dtype}, on {device_name() if profiler.device.type == 'cuda' else 'cpu'}: "
           f"{len(args.lengths)} lengths x {len(args.budgets)} budgets", flush=True)
     model = profile(profiler, args.lengths, args.budgets, args.warmup, args.iters, args.candidates,
                     args.pipeline_model_parallel_size, args.tensor_model_parallel_size, rounds=args.rounds)
-    save_profile(model, args.out)
-    print(f"wrote {args.out}")
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        save_profile(model, args.out)
+        print(f"wrote {args.out}")
     return model
 
 

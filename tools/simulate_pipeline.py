@@ -45,6 +45,7 @@ from megatron_sparsebalance.pipeline.simulate import (FlatRouterCoverage, StageC
                                                        simulate_iteration, uniform_stages)
 from megatron_sparsebalance.training.model import MODEL_PRESETS
 from megatron_sparsebalance.training.step import pipeline_layer_split
+from megatron_sparsebalance.training.tensor_parallel import validate_tensor_parallel
 
 CONFIGS = {  # name: (batching, dst anchor, dst growth)
     "baseline": ("none", "none", "bubble"), "lbb": ("lbb", "none", "bubble"), "sab": ("sab", "none", "bubble"),
@@ -253,7 +254,8 @@ def predict(args, latency, stage_costs=None) -> list:
                                  micro_batch_tokens=args.micro_batch_tokens or args.micro_batch_size * args.seq_length,
                                  stage_costs=stage_costs)
         for name, t in times.items():
-            rows.append(dict(gpus=gpus, dp=dp, pp=args.pp, tp=args.tp, dist=args.dist, config=name, iter_ms=t,
+            rows.append(dict(gpus=gpus, dp=dp, pp=args.pp, tp=args.tp, sequence_parallel=args.sequence_parallel,
+                             dist=args.dist, config=name, iter_ms=t,
                              speedup=times["baseline"] / t))
         print(f"{gpus:5d} GPUs (DP={dp:3d}): " + "  ".join(f"{n} {times['baseline'] / t:.3f}x" for n, t in times.items()),
               flush=True)
@@ -265,7 +267,11 @@ def main(argv=None):
     p.add_argument("--replay", nargs="+", default=None, help="benchmarks/pipeline_dst.py result files to replay")
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="qwen2.5-0.5b")
     p.add_argument("--pp", type=int, default=4)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size: the analytic stage splits its heads and "
+                   "FFN over TP GPUs and pays the TP collectives; a --latency-table must have been profiled at it")
+    p.add_argument("--sequence-parallel", action="store_true", help="the stages run with Megatron's sequence parallelism")
+    p.add_argument("--tp-link-gbps", type=float, default=300.0,
+                   help="with --tp > 1 and the analytic model: bus bandwidth of the TP collectives (GB/s per GPU, NVLink)")
     p.add_argument("--gpus", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024])
     p.add_argument("--dist", default="longtail")
     p.add_argument("--seq-length", type=int, default=65536)
@@ -298,6 +304,7 @@ def main(argv=None):
     if (args.first_stage_layers is not None or args.last_stage_layers is not None) and not args.stage_costs:
         p.error("--first-stage-layers / --last-stage-layers go with --stage-costs (without it every stage costs the same)")
     try:
+        validate_tensor_parallel(MODEL_PRESETS[args.model], args.tp, args.sequence_parallel)
         stage_costs = stage_costs_of(args)  # bad input stops here, before any simulation
     except ValueError as e:
         p.error(str(e))
@@ -313,10 +320,14 @@ def main(argv=None):
     else:
         shape = MODEL_PRESETS[args.model]
         if args.latency_table:
-            latency = LatencyModel.load(args.latency_table)
+            # a table prices one layout's stage: another TP (or SP) is another stage
+            latency = LatencyModel.load(args.latency_table, expect={"parallel_layout": {
+                "tp": args.tp, "pp": args.pp, "cp": 1, "sequence_parallel": args.sequence_parallel}})
         else:
             latency = AnalyticLatencyModel(shape, shape.num_layers // args.pp, block_size=args.moba_block_size,
-                                           hardware="h200", tensor_parallel_size=args.tp)
+                                           hardware="h200", tensor_parallel_size=args.tp,
+                                           sequence_parallel=args.sequence_parallel,
+                                           tp_link_gbps=args.tp_link_gbps if args.tp > 1 else None)
         rows = predict(args, latency, stage_costs)
     if args.out:
         with open(args.out, "w") as f:

@@ -20,11 +20,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from megatron_sparsebalance.attention.budget import LayerBudget, active_scope
+from megatron_sparsebalance.attention.tensor_parallel import tensor_parallel_route_sync
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
 from megatron_sparsebalance.ops.implementations import attention_function, check_request, resolve_impl
 from megatron_sparsebalance.ops.layout import LayoutCache, uniform_cu_seqlens
 from megatron_sparsebalance.ops.dense import dense_causal_attention
-from megatron_sparsebalance.ops.sparse_attention import RouteStats, check_qkv, route
+from megatron_sparsebalance.ops.sparse_attention import RouteStats, RouteSync, check_qkv, route
 
 
 # Shared by all layers: they see the same cu_seqlens tensor for a micro-batch (ops/layout.py).
@@ -65,6 +66,7 @@ class SparseCoreAttention(MegatronModule):
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
         sparse_config: Optional[SparseAttentionConfig] = None,
+        model_query_groups: Optional[int] = None,
     ):
         super().__init__(config=config)
         self.sparse_config = (sparse_config or SparseAttentionConfig()).validate()
@@ -89,6 +91,7 @@ class SparseCoreAttention(MegatronModule):
             )
         self.num_heads = divide(config.num_attention_heads, tp)
         self.num_groups = divide(config.num_query_groups, tp)
+        self.route_sync = tensor_parallel_route_sync(pg_collection.tp, config.num_query_groups, model_query_groups)
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         if config.apply_query_key_layer_scaling:
@@ -147,7 +150,8 @@ class SparseCoreAttention(MegatronModule):
         k_base = (request.k_base or cfg.moba_topk) if request is not None else None
         p = request.p if request is not None else None
         layout = _LAYOUTS.get(cu_seqlens, cfg.moba_block_size, q.shape[0], host_cu_seqlens)
-        blocks, stats = route(q, k, layout, budget, k_base=k_base, p=p, track_coverage=cfg.track_coverage)
+        blocks, stats = route(q, k, layout, budget, k_base=k_base, p=p, track_coverage=cfg.track_coverage,
+                              sync=self.route_sync)
         self.last_stats = stats
         if scope is not None:
             scope.layers.append(LayerBudget(self.layer_number, stats))

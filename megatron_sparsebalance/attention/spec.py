@@ -4,9 +4,12 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
 from megatron_sparsebalance.attention.core_attention import SparseCoreAttention
@@ -20,11 +23,43 @@ except ImportError:
     HAVE_TE = False
 
 
-def sparse_core_attention_spec(sparse_config: SparseAttentionConfig) -> ModuleSpec:
-    return ModuleSpec(module=SparseCoreAttention, params={"sparse_config": sparse_config.validate()})
+def sparse_core_attention_spec(sparse_config: SparseAttentionConfig, num_query_groups: Optional[int] = None) -> ModuleSpec:
+    """``num_query_groups``: the model's (``--num-query-groups``). Under tensor parallelism with fewer
+    groups than TP ranks megatron-core hands the core attention a config that says TP groups; the
+    router needs the real count to pool each group's queries over the ranks sharing it."""
+    return ModuleSpec(module=SparseCoreAttention,
+                      params={"sparse_config": sparse_config.validate(), "model_query_groups": num_query_groups})
 
 
-def patch_layer_spec(spec, sparse_config: SparseAttentionConfig):
+class SequenceParallelTorchNorm:
+    """megatron-core's ``WrappedTorchNorm`` (torch's RMSNorm / LayerNorm) that also runs under
+    ``--sequence-parallel``, which megatron-core's local spec refuses (it has a sequence-parallel
+    norm only through Transformer Engine or Apex, neither of which a CPU has).
+
+    Under sequence parallelism each TP rank normalizes its own slice of the tokens, so its weight
+    gradient is a partial sum: the weights are marked ``sequence_parallel`` and megatron-core's
+    ``finalize_model_grads`` all-reduces them over the TP group, as it does for TE's norms.
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"--normalization must be RMSNorm or LayerNorm, got {config.normalization!r}")
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        if config.sequence_parallel:
+            for param in norm.parameters():
+                param.sequence_parallel = True
+        return norm
+
+
+def _sequence_parallel_norms(layer) -> None:
+    """The local spec's torch norms of a layer (around attention and MLP) made sequence-parallel capable."""
+    for slot in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(layer.submodules, slot, None) is WrappedTorchNorm:
+            setattr(layer.submodules, slot, SequenceParallelTorchNorm)
+
+
+def patch_layer_spec(spec, sparse_config: SparseAttentionConfig, num_query_groups: Optional[int] = None):
     """A copy of a layer spec (or of a block spec's every layer) with our core attention."""
     spec = copy.deepcopy(spec)
     layers = spec.layer_specs if isinstance(spec, TransformerBlockSubmodules) else [spec]
@@ -32,8 +67,22 @@ def patch_layer_spec(spec, sparse_config: SparseAttentionConfig):
         attn = layer.submodules.self_attention
         if attn is None or not hasattr(attn.submodules, "core_attention"):
             raise ValueError(f"layer spec {layer.module} has no self_attention.core_attention slot")
-        attn.submodules.core_attention = sparse_core_attention_spec(sparse_config)
+        attn.submodules.core_attention = sparse_core_attention_spec(sparse_config, num_query_groups)
+        _sequence_parallel_norms(layer)
+    if isinstance(spec, TransformerBlockSubmodules) and spec.layer_norm is WrappedTorchNorm:
+        spec.layer_norm = SequenceParallelTorchNorm
     return spec
+
+
+def get_gpt_decoder_spec(config: TransformerConfig, layer_spec: ModuleSpec):
+    """What ``GPTModel(transformer_layer_spec=...)`` takes for this pipeline stage: for the local
+    spec, the decoder block with ``layer_spec`` for each of its layers and its norm as the final
+    norm (megatron-core picks its own for a bare layer spec, and its local one refuses
+    ``--sequence-parallel``); any other spec as it is."""
+    if layer_spec.submodules.input_layernorm is not SequenceParallelTorchNorm:
+        return layer_spec
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelTorchNorm)
 
 
 def get_gpt_layer_spec(
@@ -41,12 +90,16 @@ def get_gpt_layer_spec(
     normalization: str = "RMSNorm",
     qk_layernorm: bool = False,
     use_transformer_engine: bool = False,
+    num_query_groups: Optional[int] = None,
 ) -> ModuleSpec:
-    """GPT layer spec whose core attention is ours; the rest from megatron-core (local or TE)."""
+    """GPT layer spec whose core attention is ours; the rest from megatron-core (local or TE).
+
+    ``num_query_groups`` (the model's) is needed under tensor parallelism when it equals TP or is
+    smaller (see :func:`sparse_core_attention_spec`)."""
     if use_transformer_engine and not HAVE_TE:
         raise ValueError("use_transformer_engine=True but Transformer Engine is not installed")
     if use_transformer_engine:
         base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
         base = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
-    return patch_layer_spec(base, sparse_config or SparseAttentionConfig())
+    return patch_layer_spec(base, sparse_config or SparseAttentionConfig(), num_query_groups)

@@ -299,7 +299,10 @@ def metadata_mismatch(table: Mapping[str, Any], expect: Mapping[str, Any]) -> li
     table = _jsonable(dict(table))
 
     def recorded(key):
-        return table.get(key, None if key in _KEYS_NONE_WHEN_ABSENT else _ABSENT)
+        value = table.get(key, None if key in _KEYS_NONE_WHEN_ABSENT else _ABSENT)
+        if key == "parallel_layout" and isinstance(value, dict):
+            value = {"sequence_parallel": False, **value}  # tables from before TP recorded it ran without
+        return value
 
     return sorted(key for key, value in expect.items() if recorded(key) != _jsonable(value))
 
@@ -325,6 +328,7 @@ def latency_metadata(
     pipeline_parallel_size: int = 1,
     context_parallel_size: int = 1,
     recompute: Optional[Mapping[str, Any]] = None,
+    sequence_parallel: bool = False,
 ) -> dict:
     """The metadata a table is saved with and a run expects when loading one (same function for both).
 
@@ -332,7 +336,9 @@ def latency_metadata(
     ``kernel_version`` defaults to :func:`kernel_version` of ``kernel_impl``; ``gpu`` to the
     current device's name. ``recompute``: megatron's recompute settings when the stage recomputes
     activations (its backward then repeats the forward), else None; a table and a run must agree
-    on it either way.
+    on it either way. ``parallel_layout`` records TP, PP, CP and sequence parallelism: a TP stage
+    computes ``1/TP`` of every layer plus its TP collectives, whose cost sequence parallelism changes
+    (reduce-scatter + all-gather instead of all-reduce), so a table is refused for another layout.
     """
     return {
         "gpu": gpu if gpu is not None else device_name(),
@@ -344,7 +350,8 @@ def latency_metadata(
         "layers_per_stage": int(layers_per_stage),
         "pre_process": bool(pre_process),
         "post_process": bool(post_process),
-        "parallel_layout": {"tp": int(tensor_parallel_size), "pp": int(pipeline_parallel_size), "cp": int(context_parallel_size)},
+        "parallel_layout": {"tp": int(tensor_parallel_size), "pp": int(pipeline_parallel_size),
+                            "cp": int(context_parallel_size), "sequence_parallel": bool(sequence_parallel)},
         "recompute": _jsonable(dict(recompute)) if recompute else None,
     }
 
@@ -478,6 +485,13 @@ class AnalyticLatencyModel(LatencyModel):
         dtype_bytes: 2 for bf16/fp16, 4 for fp32.
         pre_process / post_process: the stage holds the embedding / the output layer and loss.
         tensor_parallel_size: heads and FFN columns split over this many GPUs.
+        sequence_parallel: the norms and residuals run on ``1/TP`` of the tokens per GPU instead
+            of all of them.
+        tp_link_gbps: bus bandwidth of the TP collectives (GB/s achieved per GPU; NVLink within a
+            node). Given, each layer adds its four collectives (an all-reduce of its ``[tokens, h]``
+            activations after attention and after the MLP, forward and backward; under sequence
+            parallelism the same bytes as all-gathers and reduce-scatters). Default: not priced
+            (online calibration absorbs them as part of the per-token cost).
     """
 
     kind = "analytic"
@@ -492,6 +506,8 @@ class AnalyticLatencyModel(LatencyModel):
         pre_process: bool = False,
         post_process: bool = False,
         tensor_parallel_size: int = 1,
+        sequence_parallel: bool = False,
+        tp_link_gbps: Optional[float] = None,
         **common,
     ):
         super().__init__(**common)
@@ -503,6 +519,12 @@ class AnalyticLatencyModel(LatencyModel):
         self.pre_process = bool(pre_process)
         self.post_process = bool(post_process)
         self.tensor_parallel_size = int(tensor_parallel_size)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.tp_link_gbps = None if tp_link_gbps is None else float(tp_link_gbps)
+        if self.tp_link_gbps is not None and self.tp_link_gbps <= 0:
+            raise ValueError(f"tp_link_gbps must be > 0, got {tp_link_gbps}")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("sequence_parallel needs tensor_parallel_size > 1")
         if self.layers_per_stage < 1 or self.block_size < 1 or self.tensor_parallel_size < 1:
             raise ValueError("layers_per_stage, block_size and tensor_parallel_size must be >= 1")
         self._precompute()
@@ -516,10 +538,16 @@ class AnalyticLatencyModel(LatencyModel):
         out_weights = h * s["vocab_size"] / tp if self.post_process else 0.0
         flops_per_token = _LINEAR_FLOPS_PER_WEIGHT * (weights * nl + out_weights)
         self._dense_flops_per_token = flops_per_token
-        bytes_per_token = nl * self.dtype_bytes * (_ELEMENTWISE_HIDDEN_RW * h + _ELEMENTWISE_FFN_RW * ffn)
+        hidden_share = 1.0 / tp if self.sequence_parallel else 1.0  # norms and residuals: SP splits their tokens
+        bytes_per_token = nl * self.dtype_bytes * (_ELEMENTWISE_HIDDEN_RW * h * hidden_share + _ELEMENTWISE_FFN_RW * ffn)
         if self.post_process:  # logits written, softmax read and written, gradient written
             bytes_per_token += 4 * 4 * s["vocab_size"] / tp
-        self._dense_ms_per_token = flops_per_token / (hw.matmul_tflops * 1e9) + bytes_per_token / (hw.memory_gbps * 1e6)
+        # TP collectives: 4 per layer (attention and MLP, forward and backward), each a ring moving
+        # 2 (tp - 1) / tp of the layer's [tokens, h] activations per GPU.
+        comm_bytes_per_token = nl * 4 * 2 * (tp - 1) / tp * h * self.dtype_bytes
+        comm_ms_per_token = comm_bytes_per_token / (self.tp_link_gbps * 1e6) if self.tp_link_gbps else 0.0
+        self._dense_ms_per_token = (flops_per_token / (hw.matmul_tflops * 1e9) + bytes_per_token / (hw.memory_gbps * 1e6)
+                                    + comm_ms_per_token)
         weight_bytes = (weights * nl + out_weights) * self.dtype_bytes
         if self.pre_process:
             weight_bytes += h * s["vocab_size"] / tp * self.dtype_bytes
@@ -558,6 +586,7 @@ class AnalyticLatencyModel(LatencyModel):
             "shape": self.shape, "layers_per_stage": self.layers_per_stage, "block_size": self.block_size,
             "hardware": asdict(self.hardware), "dtype_bytes": self.dtype_bytes, "pre_process": self.pre_process,
             "post_process": self.post_process, "tensor_parallel_size": self.tensor_parallel_size,
+            "sequence_parallel": self.sequence_parallel, "tp_link_gbps": self.tp_link_gbps,
         }
 
     @classmethod

@@ -33,6 +33,7 @@ from megatron_sparsebalance.training.checkpointing import (COMPLETE, iteration_d
 from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
 from megatron_sparsebalance.training.dist import init_distributed
 from megatron_sparsebalance.training.model import ModelShape, build_gpt_model, transformer_config
+from megatron_sparsebalance.training.tensor_parallel import validate_tensor_parallel
 
 REPORT = "conversion.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -282,18 +283,25 @@ def _refuse_to_overwrite_a_run(save: str) -> None:
 
 def convert_hf_to_mcore(hf_dir: str, save: str, make_vocab_size_divisible_by: int = 128,
                         target_pipeline_parallel_size: int = 1, verify: Optional[VerifySettings] = None,
-                        record: Optional[dict] = None, log=print) -> dict:
+                        record: Optional[dict] = None, log=print, target_tensor_parallel_size: int = 1) -> dict:
     """HF model directory -> weights-only checkpoint ``<save>/iter_0000000``; returns the report.
 
     ``target_pipeline_parallel_size`` only checks that the intended layout divides the layers
-    (the checkpoint itself loads at any such layout). With ``verify``, the checkpoint is read back
+    (the checkpoint itself loads at any such layout). ``target_tensor_parallel_size`` pads the
+    vocabulary as Megatron-LM does at that TP (a multiple of ``make_vocab_size_divisible_by`` x TP)
+    and checks that the TP splits the model; the checkpoint loads at any TP dividing that padded
+    vocabulary (dist_checkpointing reshards). With ``verify``, the checkpoint is read back
     from disk and its logits compared with the HF model's; a VerificationError above tolerance.
     """
     _refuse_to_overwrite_a_run(save)
     config = load_hf_config(hf_dir)
-    info = hf_model_info(config, make_vocab_size_divisible_by)
+    info = hf_model_info(config, make_vocab_size_divisible_by, target_tensor_parallel_size)
     check_pipeline_layout(info.shape.num_layers, target_pipeline_parallel_size, what=hf_dir,
                           flag="--target-pipeline-model-parallel-size")
+    try:
+        validate_tensor_parallel(info.shape, target_tensor_parallel_size, sequence_parallel=False)
+    except ValueError as e:
+        raise ValueError(f"--target-tensor-model-parallel-size: {e}") from None
     params = hf_to_mcore(load_hf_weights(hf_dir), info)
     # fp32 on the megatron side: lossless for bf16/fp16 sources, and what the optimizer keeps.
     params = {k: v.float() for k, v in params.items()}
@@ -309,6 +317,7 @@ def convert_hf_to_mcore(hf_dir: str, save: str, make_vocab_size_divisible_by: in
         "hf_architecture": info.architecture,
         "hf_vocab_size": info.hf_vocab_size,
         "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+        "target_tensor_model_parallel_size": target_tensor_parallel_size,
         "hf_config": config.to_dict(),
     }
     path = save_checkpoint(save, 0, model, None, common=common)
@@ -351,7 +360,7 @@ def convert_mcore_to_hf(load: str, save: str, hf_config: Optional[str] = None, d
     common = checkpoint_common(path)
     config = load_hf_config(hf_config) if hf_config else _config_from_common(common, path)
     divisible_by = make_vocab_size_divisible_by or common.get("make_vocab_size_divisible_by", 128)
-    info = hf_model_info(config, divisible_by)
+    info = hf_model_info(config, divisible_by, common.get("target_tensor_model_parallel_size", 1))
     recorded = common.get("model_shape")
     if recorded is not None and recorded != asdict(info.shape):
         diff = {k: (recorded.get(k), v) for k, v in asdict(info.shape).items() if recorded.get(k) != v}

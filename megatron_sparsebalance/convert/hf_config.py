@@ -32,6 +32,8 @@ class HFModelInfo:
     tie_word_embeddings: bool
     shape: ModelShape
     make_vocab_size_divisible_by: int
+    tensor_model_parallel_size: int = 1
+    """The TP the vocabulary was padded for (Megatron-LM pads to a multiple of divisible-by x TP)."""
 
 
 def architecture_of(config) -> str:
@@ -65,15 +67,20 @@ def rope_theta_of(config) -> float:
     return float(theta)
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    """Megatron-LM's ``--make-vocab-size-divisible-by``: the embedding rows are padded up so that
-    every tensor-parallel shard holds a whole number of rows."""
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int = 1) -> int:
+    """Megatron-LM's ``--make-vocab-size-divisible-by``: the embedding rows are padded up to a
+    multiple of ``divisible_by x TP`` (as Megatron-LM's tokenizer set-up does), so that every
+    tensor-parallel shard holds a whole number of rows, and a Megatron-LM run at that TP computes
+    the same padded size from the HF vocabulary."""
     if divisible_by < 1:
         raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {divisible_by}")
-    return -(-vocab_size // divisible_by) * divisible_by
+    if tensor_parallel_size < 1:
+        raise ValueError(f"--target-tensor-model-parallel-size must be >= 1, got {tensor_parallel_size}")
+    multiple = divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
 
 
-def hf_model_info(config, make_vocab_size_divisible_by: int = 128) -> HFModelInfo:
+def hf_model_info(config, make_vocab_size_divisible_by: int = 128, tensor_parallel_size: int = 1) -> HFModelInfo:
     """Check an HF config and turn it into a :class:`ModelShape` (vocab padded as Megatron-LM does)."""
     arch = architecture_of(config)
     qkv_bias = SUPPORTED_ARCHITECTURES[arch][2]
@@ -103,13 +110,13 @@ def hf_model_info(config, make_vocab_size_divisible_by: int = 128) -> HFModelInf
         num_attention_heads=heads,
         num_query_groups=groups,
         kv_channels=head_dim,
-        vocab_size=padded_vocab_size(config.vocab_size, make_vocab_size_divisible_by),
+        vocab_size=padded_vocab_size(config.vocab_size, make_vocab_size_divisible_by, tensor_parallel_size),
         rotary_base=rope_theta_of(config),
         norm_epsilon=float(config.rms_norm_eps),
         add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not tied,
     )
-    return HFModelInfo(arch, config.vocab_size, tied, shape, make_vocab_size_divisible_by)
+    return HFModelInfo(arch, config.vocab_size, tied, shape, make_vocab_size_divisible_by, tensor_parallel_size)
 
 
 def check_pipeline_layout(num_layers: int, pipeline_parallel_size: int, what: Optional[str] = None,

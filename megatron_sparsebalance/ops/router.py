@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -72,17 +72,22 @@ def pool_blocks(x: torch.Tensor, layout: BlockLayout, num_groups: int) -> torch.
     return pooled.view(layout.num_blocks, num_groups, H // num_groups, D).mean(2)
 
 
-def block_scores(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+def block_scores(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout,
+                 pooled_query: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """Router scores ``s(i, j) = pooled_q(i, g) . pooled_k(j, g) / sqrt(D)``.
 
     Args:
         q: ``[T, HQ, D]``; k: ``[T, G, D]``.
+        pooled_query: maps this rank's pooled queries ``[NB, G, D]`` to the group's (a KV group
+            whose query heads are split over tensor-parallel ranks pools all of them).
     Returns:
         ``[G, NB, NB]`` float32; ``-inf`` where ``j`` is not a candidate of ``i``.
     """
     G = k.shape[1]
     with torch.no_grad():
         pq = pool_blocks(q, layout, G)
+        if pooled_query is not None:
+            pq = pooled_query(pq)
         pk = pool_blocks(k, layout, G)
         scores = torch.einsum("igd,jgd->gij", pq, pk) / math.sqrt(q.shape[-1])
         return torch.where(layout.candidates, scores, float("-inf"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -62,6 +62,22 @@ class RouteStats:
         return float(self._coverage[1]) if self._coverage is not None and self._has_base else None
 
 
+@dataclass(frozen=True)
+class RouteSync:
+    """How the router of one tensor-parallel rank agrees with the other ranks of its group.
+
+    A rank holds some heads of a layer; the router must select as if it saw them all, so that
+    every rank of the group selects the same blocks for a replicated KV group and chooses the
+    same coverage-bounded budget. Both hooks run on the device (collectives, no host wait).
+    """
+
+    pooled_query: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    """``[NB, G, D]`` pooled queries of this rank's heads -> those of all the group's heads
+    (set when a KV group's query heads are split over ranks: ``num_query_groups < TP``)."""
+    curve: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    """This rank's coverage curve ``[K]`` -> the curve over all ranks' groups."""
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -100,6 +116,7 @@ def route(
     k_base: Optional[int] = None,
     p: Optional[float] = None,
     track_coverage: bool = True,
+    sync: Optional[RouteSync] = None,
 ) -> tuple[BlockRoute, RouteStats]:
     """Route a pack at ``budget`` (bounded by coverage ``p`` against ``k_base`` when shrinking).
 
@@ -114,25 +131,38 @@ def route(
         budget: blocks per query block asked for (DST's ``k_anchor``, or ``--moba-topk``).
         k_base: the fixed budget DST shrinks from; with ``p`` it enables the coverage bound.
         track_coverage: compute ``C(k)`` for the stats even when no bound applies.
+        sync: tensor parallelism's hooks (:class:`RouteSync`); the curve is reduced before the
+            coverage bound chooses, so every rank of the group chooses the same budget.
     """
     if int(budget) < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     k_request = int(budget)
     bounded = p is not None and k_base is not None and k_request < k_base
     curve_len = max(k_request, k_base or 1) if (bounded or track_coverage) else 0
-    routed = gpu_router(q, layout) or _route_torch
+    sync = sync or RouteSync()
+    routed = gpu_router(q, layout, sync, bounded) or _route_torch
     blocks, curve, k_used, coverage = routed(q, k, layout, k_request, int(k_base or 0), p if bounded else None,
-                                             curve_len)
+                                             curve_len, sync)
     stats = RouteStats(k_request, k_used, coverage, bool(k_base) and curve is not None)
     return blocks, stats
 
 
-def gpu_router(q: torch.Tensor, layout: BlockLayout):
-    """The GPU router that serves this pack (``_route_cuda`` or ``_route_triton``), or None."""
+def gpu_router(q: torch.Tensor, layout: BlockLayout, sync: Optional[RouteSync] = None, bounded: bool = False):
+    """The GPU router that serves this pack (``_route_cuda`` or ``_route_triton``), or None.
+
+    Under tensor parallelism the CUDA router serves only where nothing must cross ranks inside
+    its launches: it pools the queries and chooses the bounded budget there, from this rank's
+    heads. Queries pooled over ranks (``num_query_groups < TP``) and a coverage bound over the
+    reduced curve take the Triton router (pooling, then the hook; curve, then the reduce, then
+    the selection at the device budget), else the torch router.
+    """
     if q.device.type != "cuda":
         return None
+    sync = sync or RouteSync()
+    crosses_ranks_in_launch = sync.pooled_query is not None or (bounded and sync.curve is not None)
     head_dim = q.shape[-1]
-    if (native.cuda_kernels_run_on(q.device) and head_dim <= native.native().router_max_head_dim
+    if (not crosses_ranks_in_launch and native.cuda_kernels_run_on(q.device)
+            and head_dim <= native.native().router_max_head_dim
             and layout.max_blocks_per_seq - 1 <= native.native().router_max_candidates):
         return _route_cuda
     # the Triton pooling reads a head as one power-of-two vector; other head dims use the torch router
@@ -151,10 +181,14 @@ def _coverage(curve: Optional[torch.Tensor], k_used: Union[int, torch.Tensor], k
 # Each router returns ``(route, curve or None, k_used, [C(k_used), C(k_base or k_request)] or
 # None)``; ``p`` set means the coverage bound applies.
 
-def _route_torch(q, k, layout, k_request, k_base, p, curve_len):
+def _reduced(curve: Optional[torch.Tensor], sync: RouteSync) -> Optional[torch.Tensor]:
+    return sync.curve(curve) if curve is not None and sync.curve is not None else curve
+
+
+def _route_torch(q, k, layout, k_request, k_base, p, curve_len, sync):
     """The torch router (the oracle)."""
-    scores = block_scores(q, k, layout)
-    curve = coverage_curve(scores, curve_len) if curve_len else None
+    scores = block_scores(q, k, layout, sync.pooled_query)
+    curve = _reduced(coverage_curve(scores, curve_len), sync) if curve_len else None
     if p is None:
         k_used = k_request
         blocks = select(scores, layout, k_request, k_request)
@@ -164,25 +198,27 @@ def _route_torch(q, k, layout, k_request, k_base, p, curve_len):
     return blocks, curve, k_used, _coverage(curve, k_used, k_base or k_request)
 
 
-def _route_triton(q, k, layout, k_request, k_base, p, curve_len):
+def _route_triton(q, k, layout, k_request, k_base, p, curve_len, sync):
     """The Triton router: pooling, one GEMM, one selection launch (two under the coverage bound:
     the curve must exist before the budget is chosen)."""
     from megatron_sparsebalance.ops import triton_router
 
-    dots = triton_router.pooled_dots(q, k, layout)
+    dots = triton_router.pooled_dots(q, k, layout, sync.pooled_query)
     scale = 1.0 / math.sqrt(q.shape[-1])
     if p is None:
         kv_idx, kv_cnt, curve = triton_router.select_and_cover(
             dots, layout, scale, budget=k_request, width=k_request, curve_len=curve_len)
+        curve = _reduced(curve, sync)
         k_used = k_request
     else:
         _, _, curve = triton_router.select_and_cover(dots, layout, scale, curve_len=curve_len)
+        curve = _reduced(curve, sync)
         k_used = coverage_bounded_budget(curve, k_request, k_base, p)
         kv_idx, kv_cnt, _ = triton_router.select_and_cover(dots, layout, scale, budget=k_used, width=k_base)
     return BlockRoute(layout, kv_idx, kv_cnt, k_used), curve, k_used, _coverage(curve, k_used, k_base or k_request)
 
 
-def _route_cuda(q, k, layout, k_request, k_base, p, curve_len):
+def _route_cuda(q, k, layout, k_request, k_base, p, curve_len, sync):
     """The CUDA router: three calls into C++, three to five launches. Each row's scores are computed
     where it is ranked; the coverage bound's budget and the coverage pair come out of the launches."""
     ext = native.native()
@@ -194,6 +230,9 @@ def _route_cuda(q, k, layout, k_request, k_base, p, curve_len):
         1.0 / math.sqrt(q.shape[-1]), k_request, k_base, -1.0 if p is None else float(p), curve_len)
     if k_used is None:
         k_used = k_request
+    if sync.curve is not None and curve is not None:  # unbounded here (gpu_router): only the figures
+        curve = sync.curve(curve)
+        coverage = _coverage(curve, k_used, k_base or k_request)
     return BlockRoute(layout, kv_idx, kv_cnt, k_used), curve, k_used, coverage
 
 

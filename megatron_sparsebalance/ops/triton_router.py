@@ -69,14 +69,18 @@ def block_scores_triton(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout) -
     return torch.where(layout.candidates, scores, float("-inf"))
 
 
-def pooled_dots(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+def pooled_dots(q: torch.Tensor, k: torch.Tensor, layout: BlockLayout, pooled_query=None) -> torch.Tensor:
     """``pooled_q(i, g) . pooled_k(j, g)`` for every block pair: ``[G, NB, NB]`` fp32, unscaled and unmasked.
 
     The input of :func:`select_and_cover`, which scales it and keeps each row's candidates itself.
+    ``pooled_query`` maps the pooled queries ``[NB, G, D]`` first (tensor parallelism:
+    ``ops.sparse_attention.RouteSync``).
     """
     G = k.shape[1]
     with torch.no_grad():
         pq = pool_blocks_triton(q, layout, G)
+        if pooled_query is not None:
+            pq = pooled_query(pq)
         pk = pool_blocks_triton(k, layout, G)
         return torch.einsum("igd,jgd->gij", pq, pk)
 

@@ -49,11 +49,11 @@ class PipelinePlan:
     measured: Optional[IterationMetrics] = field(default=None, repr=False)
 
     def activation_shape(self, i: int, tp_size: int = 1, sequence_parallel: bool = False) -> tuple:
+        """``[T, 1, h]`` between stages; ``[ceil(T / tp), 1, h]`` under sequence parallelism, where each
+        TP rank holds its share of the pack padded to a multiple of TP (``training.step.pad_for_sequence_parallel``)."""
         tokens = self.micro_batches[i].num_tokens
         if sequence_parallel:
-            if tokens % tp_size:
-                raise ValueError(f"micro-batch {i} has {tokens} tokens, not divisible by TP={tp_size} (sequence parallel)")
-            tokens //= tp_size
+            tokens = -(-tokens // tp_size)
         return (tokens, 1, self.hidden_size)
 
 

@@ -116,10 +116,17 @@ def gather_iteration_metrics(record: StageRecord, num_micro_batches: int) -> Ite
     records = [None] * world
     dist.all_gather_object(records, asdict(record))
     records = [StageRecord(**{**r, "spans": [Span(**s) for s in r["spans"]]}) for r in records]
-    # With tensor parallelism several ranks hold the same (pp, dp) position: keep one.
+    # With tensor parallelism several ranks hold the same (pp, dp) position: they ran the same
+    # micro-batches together (their collectives wait for each other), so one of them speaks for
+    # the stage and none is counted twice. They must also have used the same budgets: the
+    # attention layers agree on them over the TP group (attention/tensor_parallel.py); ranks
+    # that did not would have computed different sparse attentions of one layer.
     unique = {}
     for r in records:
-        unique.setdefault((r.pp_rank, r.dp_rank), r)
+        first = unique.setdefault((r.pp_rank, r.dp_rank), r)
+        if first is not r and first.budgets != r.budgets:
+            raise RuntimeError(f"the tensor-parallel ranks of stage {r.pp_rank} (DP rank {r.dp_rank}) used different "
+                               f"budgets: {first.budgets} and {r.budgets}")
     records = list(unique.values())
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     dp = parallel_state.get_data_parallel_world_size()

@@ -5,11 +5,17 @@
     <save>/iter_0000100/                      one checkpoint (dist_checkpointing format)
         sharded: model (and optimizer) state, resharded on load to any TP/PP layout
         common:  iteration, resolved config, LR scheduler, sampler + SAB estimator, latency
-                 model calibration, DST's coverage floor, format tag
+                 model calibration, DST's coverage floor, format tag, the TP/PP/DP layout
         rng_rank<r>.pt                        each rank's RNG states
         <name>_rank<r>.pt                     optional per-rank state (e.g. dp_comm: DiLoCo/SparseLoCo)
         complete                              written last: the checkpoint is whole
     <save>/latest_checkpointed_iteration.txt  the newest complete checkpoint, replaced atomically
+
+The sharded state loads at any TP x PP layout (saved at TP=2 x PP=2, loaded at TP=1 x PP=4 and
+back). The per-rank files belong to the layout that wrote them: rank r of another layout is
+another part of the model, so on a resharded load the RNG states are not restored (a resharded
+run cannot repeat the saved one bitwise anyway: its reductions differ) and a per-rank state
+(``dp_comm``) is refused by name.
 
 A crash mid-save leaves a directory without ``complete`` and an unchanged
 ``latest_checkpointed_iteration.txt``: the half-written checkpoint is never loaded.
@@ -47,6 +53,22 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def parallel_layout() -> dict:
+    """This process's model-parallel layout (all 1 without megatron's groups)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return {"tp": 1, "pp": 1, "dp": 1}
+    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+            "dp": parallel_state.get_data_parallel_world_size()}
+
+
+def saved_layout(path: str) -> Optional[dict]:
+    """The layout checkpoint ``path`` was saved at (None for checkpoints from before it was recorded)."""
+    return dist_checkpointing.load_common_state_dict(path).get("common", {}).get("layout")
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -80,7 +102,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer=None, common: Op
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd)
-    state["common"] = {"format": FORMAT, "iteration": iteration, **(common or {})}
+    state["common"] = {"format": FORMAT, "iteration": iteration, "layout": parallel_layout(), **(common or {})}
     dist_checkpointing.save(state, path, sharded_strategy=torch_dist_save_strategy())
     torch.save(rng_state(), os.path.join(path, f"rng_rank{_rank()}.pt"))
     for name, value in (rank_files or {}).items():
@@ -102,9 +124,18 @@ def rank_file(path: str, name: str) -> str:
 
 
 def load_rank_file(path: str, name: str) -> Optional[Any]:
-    """This rank's ``name`` state from checkpoint ``path``, or None if the checkpoint has none."""
+    """This rank's ``name`` state from checkpoint ``path``, or None if the checkpoint has none.
+
+    Refused when the checkpoint was saved at another TP/PP/DP layout: its rank r held another part."""
     f = rank_file(path, name)
-    return torch.load(f, weights_only=False) if os.path.exists(f) else None
+    if not os.path.exists(f):
+        return None
+    layout = saved_layout(path)
+    if layout is not None and layout != parallel_layout():
+        raise ValueError(f"{path} holds per-rank '{name}' state saved at {layout}; this run is {parallel_layout()}: "
+                         f"that state cannot be resharded (load with --no-load-optim, or at the saved "
+                         "--tensor-model-parallel-size / --pipeline-model-parallel-size and world size)")
+    return torch.load(f, weights_only=False)
 
 
 def latest_checkpoint(root: str) -> Optional[str]:
@@ -178,6 +209,7 @@ def load_checkpoint(path: str, model, optimizer=None, strict: bool = True, optim
     elif optimizer is not None:
         optimizer.reload_model_params()
     rng = os.path.join(path, f"rng_rank{_rank()}.pt")
-    if resume and os.path.exists(rng):
+    same_layout = common.get("layout") in (None, parallel_layout())
+    if resume and same_layout and os.path.exists(rng):
         set_rng_state(torch.load(rng, weights_only=False))
     return common

@@ -25,6 +25,8 @@ _PATCHED_MODULES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
     "megatron.core.utils",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.pipeline_parallel.schedules",
@@ -66,6 +68,15 @@ class _CpuCuda(types.SimpleNamespace):
     def empty_cache():
         return None
 
+    # The model-parallel RNG tracker's states (a CPU has no GPU generator to fork).
+    @staticmethod
+    def get_rng_state(*args, **kwargs):
+        return None
+
+    @staticmethod
+    def manual_seed(*args, **kwargs):
+        return None
+
 
 class _CpuTorch(types.ModuleType):
     """``torch`` with the GPU mapped to the CPU; every other name is torch's."""
@@ -104,6 +115,14 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
     coeff = max_norm / (total_norm + 1.0e-6)
     if coeff < 1.0 and grads:
         torch._foreach_mul_(grads, coeff)
+
+
+def cpu_rng_tracker_enabled() -> bool:
+    """Whether megatron-core's model-parallel RNG tracker runs on this CPU (:func:`enable_cpu_megatron` ran).
+
+    Its states are placeholders here: the CPU has one RNG, so a dropout inside a tensor-parallel
+    region draws the same mask on every TP rank (the layers here run without dropout in tests)."""
+    return getattr(importlib.import_module("megatron.core.tensor_parallel.random"), _MARKER, False)
 
 
 def enable_cpu_megatron() -> bool:

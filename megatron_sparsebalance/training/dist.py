@@ -67,10 +67,18 @@ def seed_everything(seed: int) -> None:
     random.seed(stage_seed)
     np.random.seed(stage_seed)
     torch.manual_seed(stage_seed)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or _cpu_rng_shimmed():
+        # On a CPU (under training.cpu_compat) the tracker's states are placeholders, but
+        # megatron-core's tensor-parallel regions (the sequence-parallel embedding) fork them.
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def _cpu_rng_shimmed() -> bool:
+    from megatron_sparsebalance.training.cpu_compat import cpu_rng_tracker_enabled
+
+    return cpu_rng_tracker_enabled()
 
 
 def destroy_distributed() -> None:

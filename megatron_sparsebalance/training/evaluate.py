@@ -36,7 +36,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_sparsebalance.balance.dst import DSTConfig
 from megatron_sparsebalance.balance.sab import SparsityEstimator
@@ -44,7 +44,7 @@ from megatron_sparsebalance.data.datasets import build_validation_dataset
 from megatron_sparsebalance.data.sampler import GlobalBatchSampler
 from megatron_sparsebalance.data.synthetic import PackedBatch, retrieval_questions
 from megatron_sparsebalance.pipeline.schedule import forward_backward_sparsebalance
-from megatron_sparsebalance.training.step import pipeline_plans
+from megatron_sparsebalance.training.step import pad_for_sequence_parallel, pipeline_plans
 
 
 class Score(NamedTuple):
@@ -74,13 +74,19 @@ def eval_forward_step(data_iterator, model):
     second, transposed copy of them and need a cross entropy of our own. The report's
     ``per_token`` is ``[2, T]``: each position's loss and whether its argmax is the label (1/0),
     both 0 off the loss mask; the host cuts it into samples and questions (:func:`pack_scores`).
-    Assumes the whole vocabulary on one rank (TP = 1, which the run checks).
+    Under tensor parallelism each rank's logits are its slice of the vocabulary: the argmax is
+    agreed over the TP group (:func:`vocab_parallel_argmax`). Under sequence parallelism the pack
+    is padded as in training and ``per_token`` cut back to the pack's own tokens.
     """
     batch: PackedBatch = next(data_iterator)
+    tokens = batch.tokens.shape[-1]
+    config = get_model_config(model)
+    if config.sequence_parallel:
+        batch = pad_for_sequence_parallel(batch, config.tensor_model_parallel_size)
     captured = {}
 
     def keep_prediction(_module, _inputs, out) -> None:  # None: the output goes on unchanged
-        captured.setdefault("prediction", out[0].argmax(dim=-1))
+        captured.setdefault("prediction", vocab_parallel_argmax(out[0]))
 
     hook = None
     if parallel_state.is_pipeline_last_stage():
@@ -97,11 +103,35 @@ def eval_forward_step(data_iterator, model):
         loss = per_token_loss[0].float() * mask
         prediction = captured["prediction"][:, 0]  # [s, b=1]: THD packs are one row
         right = (prediction == batch.labels[0]).float() * mask
-        total, tokens = loss.sum(), mask.sum().to(torch.int)
-        return total, tokens, {"loss_sum": total.detach(), "tokens": tokens.detach(),
-                               "per_token": torch.stack([loss, right])}
+        total, loss_tokens = loss.sum(), mask.sum().to(torch.int)
+        return total, loss_tokens, {"loss_sum": total.detach(), "tokens": loss_tokens.detach(),
+                                    "per_token": torch.stack([loss, right])[:, :tokens]}
 
     return output, loss_func
+
+
+def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the whole vocabulary of logits ``[..., V / TP]`` split by vocabulary over the
+    TP group (rank r holds ids ``r V/TP .. (r+1) V/TP - 1``); ties go to the lowest id, as
+    ``argmax`` over the whole vocabulary does. One all-gather of ``[..., 2]`` per call."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(group) if dist.is_initialized() else 1
+    best, index = logits.max(dim=-1)
+    if tp == 1:
+        return index
+    best = best.float()
+    index = index + parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    mine = torch.stack([best, index.float()], dim=-1)
+    parts = [torch.empty_like(mine) for _ in range(tp)]
+    dist.all_gather(parts, mine.contiguous(), group=group)
+    return combine_vocab_parallel_argmax(torch.stack([p[..., 0] for p in parts]), torch.stack([p[..., 1] for p in parts]))
+
+
+def combine_vocab_parallel_argmax(best: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``[TP, ...]`` each rank's largest logit and its (global) id -> the id of the largest; the lowest
+    rank wins a tie (``argmax`` returns the first maximum), which holds the lowest id."""
+    winner = best.argmax(dim=0, keepdim=True)
+    return index.gather(0, winner)[0].to(torch.long)
 
 
 # ---- reductions ------------------------------------------------------------------------------
@@ -215,9 +245,6 @@ class Evaluator:
     """
 
     def __init__(self, cfg, trainer, batcher):
-        if parallel_state.get_tensor_model_parallel_world_size() != 1:
-            raise ValueError("evaluation reads the argmax of the whole vocabulary on one rank: it needs "
-                             "--tensor-model-parallel-size 1")
         self.cfg, self.trainer = cfg, trainer
         self.interval, self.iters = cfg.eval.eval_interval, cfg.eval.eval_iters
         gbs = cfg.training.global_batch_size

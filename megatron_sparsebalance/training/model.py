@@ -16,7 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
-from megatron_sparsebalance.attention.spec import get_gpt_layer_spec
+from megatron_sparsebalance.attention.spec import get_gpt_decoder_spec, get_gpt_layer_spec
 
 try:
     from megatron_sparsebalance.ops.triton_rope import install_fused_rope
@@ -172,7 +172,6 @@ def transformer_config(
         add_qkv_bias=shape.add_qkv_bias or shape.add_bias_linear,
         attention_dropout=shape.attention_dropout,
         hidden_dropout=shape.hidden_dropout,
-        sequence_parallel=sequence_parallel,
         calculate_per_token_loss=calculate_per_token_loss,
         bf16=bf16,
         params_dtype=dtype,
@@ -181,6 +180,7 @@ def transformer_config(
         num_layers_in_first_pipeline_stage=first_stage_layers,
         num_layers_in_last_pipeline_stage=last_stage_layers,
         tensor_model_parallel_size=tensor_parallel_size,
+        sequence_parallel=sequence_parallel,
         use_cpu_initialization=not torch.cuda.is_available(),
         init_method_std=shape.init_method_std,
         apply_rope_fusion=rope_fusion,
@@ -205,8 +205,10 @@ def build_gpt_model(
     """
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_spec(sparse_config, normalization=shape.normalization,
-                                                  use_transformer_engine=use_transformer_engine),
+        transformer_layer_spec=get_gpt_decoder_spec(
+            config, get_gpt_layer_spec(sparse_config, normalization=shape.normalization,
+                                       use_transformer_engine=use_transformer_engine,
+                                       num_query_groups=shape.num_query_groups)),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings or max_sequence_length,
         pre_process=pre_process,

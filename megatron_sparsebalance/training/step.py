@@ -9,8 +9,10 @@ from typing import Optional, Sequence
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 
 from megatron_sparsebalance.balance.dst import CoverageFloor, DSTConfig, PipelineShape, plan_budgets
+from megatron_sparsebalance.data.synthetic import PackedBatch
 from megatron_sparsebalance.pipeline.schedule import MicroBatchPlan, PipelinePlan
 
 
@@ -21,6 +23,9 @@ def gpt_forward_step(data_iterator, model):
     so the schedule normalizes per token and per micro-batch as megatron-core does.
     """
     batch = next(data_iterator)
+    config = get_model_config(model)
+    if config.sequence_parallel:
+        batch = pad_for_sequence_parallel(batch, config.tensor_model_parallel_size)
     output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
                    packed_seq_params=batch.packed_seq_params())
 
@@ -31,6 +36,35 @@ def gpt_forward_step(data_iterator, model):
         return loss, tokens, {"loss_sum": loss.detach().clone(), "tokens": tokens.detach().clone()}
 
     return output, loss_func
+
+
+def pad_for_sequence_parallel(batch: PackedBatch, tp: int) -> PackedBatch:
+    """``batch`` with its token count made a multiple of ``tp`` (sequence parallelism splits the
+    pack's tokens evenly over the TP ranks).
+
+    The padding is a sequence of its own (``cu_seqlens`` gains an entry) with no loss tokens, as
+    Megatron-LM users pad packs: attention is causal within a sequence, so no real token sees a
+    pad token, the pad tokens add nothing to the loss or its token count, and the pad sequence's
+    single block has no routing candidates, so it is left out of the coverage curve. The loss, the
+    gradients and the routing of the real tokens are those of the unpadded pack, exactly. The
+    schedule's activation shapes round up the same way (``PipelinePlan.activation_shape``).
+    """
+    tokens = batch.tokens.shape[-1]
+    pad = -tokens % tp
+    if pad == 0:
+        return batch
+    host = batch._host_offsets()
+    host_cu = torch.cat([host, host[-1:] + pad])
+    device = batch.tokens.device
+
+    def extend(t, fill):
+        return torch.cat([t, torch.full((*t.shape[:-1], pad), fill, dtype=t.dtype, device=t.device)], -1)
+
+    cu = host_cu if batch.cu_seqlens.device.type == "cpu" else torch.cat(
+        [batch.cu_seqlens, batch.cu_seqlens[-1:] + pad])
+    positions = torch.cat([batch.position_ids, torch.arange(pad, device=device, dtype=batch.position_ids.dtype)[None]], -1)
+    return PackedBatch(extend(batch.tokens, 0), extend(batch.labels, 0), extend(batch.loss_mask, 0), positions, cu,
+                       host_cu_seqlens=host_cu)
 
 
 def mean_loss(reports: Sequence[dict]) -> float:
