@@ -30,13 +30,16 @@ TRAINING = ("--micro-batch-size 2 --global-batch-size 16 --lr 1e-3 --min-lr 1e-4
             "--log-interval 1").split()
 OURS = ("--mock-data --mock-length-distribution longtail --dst-anchor mean --dst-p 0.1 --batching sab "
         "--moba-block-size 128 --moba-topk 8").split()
-# What a Megatron-LM launch script says besides (its defaults differ from a Qwen2 model's).
-MEGATRON_LM = ("--group-query-attention --max-position-embeddings 4096 --position-embedding-type rope --swiglu "
-               "--normalization RMSNorm --norm-epsilon 1e-6 --disable-bias-linear --add-qkv-bias "
-               "--attention-dropout 0 --hidden-dropout 0 --init-method-std 0.02 --untie-embeddings-and-output-weights "
-               "--accumulate-allreduce-grads-in-fp32 --transformer-impl local --tokenizer-type NullTokenizer "
-               "--eval-iters 0 --eval-interval 1000").split()
-STANDALONE = ["--untie-embeddings-and-output-weights", "--mock-vocab-size", "4096"]
+# What a Megatron-LM launch script says besides (its defaults differ from a Qwen2 model's); both
+# entries take these with the same meaning.
+LAUNCH_SCRIPT = ("--group-query-attention --max-position-embeddings 4096 --position-embedding-type rope --swiglu "
+                 "--normalization RMSNorm --norm-epsilon 1e-6 --disable-bias-linear --add-qkv-bias "
+                 "--attention-dropout 0 --hidden-dropout 0 --init-method-std 0.02 "
+                 "--untie-embeddings-and-output-weights --transformer-impl local --tokenizer-type NullTokenizer").split()
+# Megatron-LM's loop only: its fp32 gradient reduction is opt-in (the standalone entry always reduces
+# in fp32), and it divides --train-iters by --eval-interval even without evaluation.
+MEGATRON_LM = LAUNCH_SCRIPT + "--accumulate-allreduce-grads-in-fp32 --eval-iters 0 --eval-interval 1000".split()
+STANDALONE = LAUNCH_SCRIPT
 
 
 def torchrun(nproc: int, module: str, argv: list, log_path: str) -> None:

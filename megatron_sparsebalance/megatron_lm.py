@@ -46,7 +46,7 @@ from megatron_sparsebalance.config import GROUPS, SparseBalanceConfig, add_argum
 from megatron_sparsebalance.data.datasets import MOCK_VOCAB_SIZE
 
 # Our groups Megatron-LM's parser lacks entirely; of "data" only the fields it lacks are added.
-_OUR_GROUPS = ("sparse", "dst", "latency", "batching", "data")
+_OUR_GROUPS = ("sparse", "dst", "latency", "batching", "data", "split")
 STATE_FILE = "sparsebalance.pt"
 METRICS_FILE = "sparsebalance_metrics.jsonl"
 _MARKER = "_sparsebalance_installed"
@@ -94,8 +94,12 @@ def config_from_megatron_args(args) -> SparseBalanceConfig:
     cfg.data = _from_args(GROUPS["data"], args, data_path=_single_path(args, "data_path"),
                           valid_data_path=_single_path(args, "valid_data_path"),
                           mock_vocab_size=min(args.mock_vocab_size or MOCK_VOCAB_SIZE, args.padded_vocab_size))
-    cfg.model = _from_args(GROUPS["model"], args, vocab_size=args.padded_vocab_size,
-                           untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+    # Megatron-LM has already loaded --use-checkpoint-args into args: the shape is args'. Two of
+    # its flags store under another name than the flag's (--norm-epsilon, --disable-bias-linear).
+    cfg.model = _from_args(GROUPS["model"], args, model=None, vocab_size=args.padded_vocab_size,
+                           use_checkpoint_args=False, norm_epsilon=args.layernorm_epsilon,
+                           disable_bias_linear=not args.add_bias_linear)
+    cfg.checkpoint = _from_args(GROUPS["checkpoint"], args, load_optim=not args.no_load_optim)
     return cfg
 
 
@@ -111,6 +115,12 @@ def _refuse_what_we_cannot_run(args) -> None:
         (getattr(args, "use_legacy_models", False), "--use-legacy-models: our core attention needs megatron-core models"),
         (args.dataloader_type not in (None, "external"),
          f"--dataloader-type {args.dataloader_type}: SAB draws each global batch itself (external)"),
+        (getattr(args, "decoder_pipeline_split", "even") == "auto",
+         "--decoder-pipeline-split auto: Megatron-LM builds the model before any data is read; print the split "
+         "with tools/plan_pipeline_split.py and pass --decoder-first/last-pipeline-num-layers"),
+        (getattr(args, "variable_micro_batches", False) and not args.calculate_per_token_loss,
+         "--variable-micro-batches needs --calculate-per-token-loss: a micro-batch count that changes between "
+         "iterations is exact only with per-token normalization"),
     )
     for bad, why in checks:
         if bad:
@@ -186,14 +196,16 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training import get_args
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    from megatron_sparsebalance.attention.spec import get_gpt_layer_spec
+    from megatron_sparsebalance.attention.spec import get_gpt_decoder_spec, get_gpt_layer_spec
 
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(args)
-    spec = get_gpt_layer_spec(_state_config(args).sparse, normalization=args.normalization,
-                              qk_layernorm=getattr(args, "qk_layernorm", False),
-                              use_transformer_engine=args.transformer_impl == "transformer_engine")
+    layer = get_gpt_layer_spec(_state_config(args).sparse, normalization=args.normalization,
+                               qk_layernorm=getattr(args, "qk_layernorm", False),
+                               use_transformer_engine=args.transformer_impl == "transformer_engine",
+                               num_query_groups=args.num_query_groups)
+    spec = get_gpt_decoder_spec(config, layer)  # the local spec's block: its norms take --sequence-parallel
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
@@ -243,8 +255,7 @@ class GlobalBatchStream:
 
     def next_global_batch(self):
         plan = self.sampler.next_plan()
-        lengths = [[plan.micro_batch_lengths(r, j) for j in range(plan.num_micro_batches)] for r in range(plan.dp_size)]
-        return plan, lengths, self.sampler.micro_batches(self.dataset, plan, self.dp_rank)
+        return plan, plan.rank_micro_batch_lengths(), self.sampler.micro_batches(self.dataset, plan, self.dp_rank)
 
 
 class _RunState:
@@ -254,10 +265,9 @@ class _RunState:
         from megatron.core import parallel_state
 
         from megatron_sparsebalance.balance.dst import CoverageFloor
-        from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
         from megatron_sparsebalance.data.datasets import build_dataset, build_validation_dataset
         from megatron_sparsebalance.data.sampler import GlobalBatchSampler
-        from megatron_sparsebalance.pretrain import build_latency_model
+        from megatron_sparsebalance.pretrain import build_batcher, build_latency_model, stage_costs_of
 
         self.cfg = cfg = config_from_megatron_args(args)
         cfg.sparse.validate()
@@ -272,10 +282,12 @@ class _RunState:
         self.coverage_floor = CoverageFloor() if self.dst.anchor != "none" and self.dst.p is not None else None
         per_rank = args.global_batch_size // (args.micro_batch_size * self.dp)
 
+        stage_costs = stage_costs_of(cfg, cfg.model_shape(), self.latency)
+        self.stage_costs = stage_costs if cfg.dst.dst_growth == "critical-path" else None
+
         def stream(dataset, seed):
-            batcher = SparsityAwareBatcher(cfg.batching.batching, self.dp, per_rank, latency_model=self.latency,
-                                           k_base=cfg.sparse.moba_topk, micro_batch_tokens=cfg.batching.micro_batch_tokens,
-                                           order=cfg.batching.micro_batch_order)
+            batcher = build_batcher(cfg, self.latency, self.dp, per_rank)
+            batcher.stage_costs = stage_costs if cfg.batching.micro_batch_count_objective == "simulated" else None
             sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_size, batcher, seed=seed)
             return GlobalBatchStream(dataset, sampler, self.dp_rank)
 
@@ -363,14 +375,15 @@ class SparseBalanceSchedule:
             raise TypeError(f"SparseBalanceSchedule needs megatron_lm.datasets_provider's stream, got {type(stream)}")
         state = _STATE
         sample_plan, lengths, batches = stream.next_global_batch()
-        if sample_plan.num_micro_batches != num_microbatches:
-            raise ValueError(f"SAB planned {sample_plan.num_micro_batches} micro-batches per rank, Megatron-LM's loop "
-                             f"expects {num_microbatches}")
+        if not state.cfg.batching.variable_micro_batches and len(batches) != num_microbatches:
+            raise ValueError(f"SAB planned {len(batches)} micro-batches on this rank, Megatron-LM's loop expects "
+                             f"{num_microbatches}")
         # Evaluation runs every layer at --moba-topk, as the standalone entry's evaluator does.
         dst = dataclasses.replace(state.dst, anchor="none") if forward_only else state.dst
         plans = pipeline_plans(lengths, state.cfg.model_shape().hidden_size, dst,
                                None if forward_only else state.latency, state.pp,
-                               None if forward_only else state.coverage_floor, state.dp_rank)
+                               None if forward_only else state.coverage_floor, state.dp_rank,
+                               None if forward_only else state.stage_costs)
         plan = plans[state.dp_rank]
         plan.measure = not forward_only
         reports = forward_backward_sparsebalance(
@@ -383,8 +396,7 @@ class SparseBalanceSchedule:
         if state.coverage_floor is not None:
             learn_coverage_floor(state.coverage_floor, plans, metrics, state.dst.k_base)
         if state.cfg.sparse.sparse_attention:
-            per_rank = [metrics.budgets[r * num_microbatches:(r + 1) * num_microbatches] for r in range(state.dp)]
-            stream.sampler.update(sample_plan, per_rank)
+            stream.sampler.update(sample_plan, sample_plan.split_by_rank(metrics.budgets))
         state.iteration += 1
         figures = _figures(metrics, state.pp)
         for report in reports:

@@ -134,6 +134,27 @@ def _shape_as_the_table_records_it(shape, table_path: str) -> dict:
     return {**shape.record(), **{k: full[k] for k in recorded if k in full}}
 
 
+def build_batcher(cfg: SparseBalanceConfig, latency, dp: int, micro_batches_per_rank: int) -> SparsityAwareBatcher:
+    """SAB (or LBB, Hydraulis, arrival order) for this run: the same in both entries."""
+    return SparsityAwareBatcher(cfg.batching.batching, dp, micro_batches_per_rank, latency_model=latency,
+                                k_base=cfg.sparse.moba_topk, micro_batch_tokens=cfg.batching.micro_batch_tokens,
+                                order=cfg.batching.micro_batch_order,
+                                pipeline_stages=cfg.parallel.pipeline_model_parallel_size,
+                                variable_micro_batches=cfg.batching.variable_micro_batches,
+                                count_objective=cfg.batching.micro_batch_count_objective)
+
+
+def stage_costs_of(cfg: SparseBalanceConfig, shape, latency):
+    """Each stage's cost of a micro-batch from the split (the last with the output layer), for
+    DST's critical path and the simulated micro-batch count; None where neither is asked for."""
+    if cfg.dst.dst_growth != "critical-path" and cfg.batching.micro_batch_count_objective != "simulated":
+        return None
+    from megatron_sparsebalance.balance.split import stage_cost_model
+
+    return stage_cost_model(shape, cfg.pipeline_layer_split(shape), cfg.sparse.moba_topk, latency,
+                            cfg.sparse.moba_block_size, cfg.data.seq_length)
+
+
 def iteration_flops(cfg: SparseBalanceConfig, micro_batch_lengths, budgets) -> float:
     """FLOPs of one iteration (forward + backward), attention counted by the blocks computed.
 
@@ -282,12 +303,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
     dataset = build_dataset(cfg.data, shape.vocab_size)
     if cfg.split.decoder_pipeline_split == "auto":
         _choose_pipeline_split(cfg, shape, latency, dataset.lengths, is_logger=rank == 0)
-    batcher = SparsityAwareBatcher(cfg.batching.batching, dp, cfg.micro_batches_per_rank(world), latency_model=latency,
-                                   k_base=cfg.sparse.moba_topk, micro_batch_tokens=cfg.batching.micro_batch_tokens,
-                                   order=cfg.batching.micro_batch_order,
-                                   pipeline_stages=cfg.parallel.pipeline_model_parallel_size,
-                                   variable_micro_batches=cfg.batching.variable_micro_batches,
-                                   count_objective=cfg.batching.micro_batch_count_objective)
+    batcher = build_batcher(cfg, latency, dp, cfg.micro_batches_per_rank(world))
     sampler = GlobalBatchSampler(dataset.lengths, cfg.training.global_batch_size, batcher, seed=cfg.data.seed)
     first_stage_layers, last_stage_layers = cfg.end_stage_layers(shape)
     trainer = Trainer(shape, cfg.sparse, cfg.dst_config(), cfg.optim, max_sequence_length=cfg.data.seq_length,
@@ -299,15 +315,9 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
                       calculate_per_token_loss=(cfg.training.calculate_per_token_loss
                                                 or cfg.batching.variable_micro_batches),
                       use_transformer_engine=cfg.megatron_lm.transformer_impl == "transformer_engine")
-    if cfg.dst.dst_growth == "critical-path" or cfg.batching.micro_batch_count_objective == "simulated":
-        # Each stage's cost from the split (the last with the output layer), for DST's critical
-        # path and the simulated micro-batch count; the same on every rank.
-        from megatron_sparsebalance.balance.split import stage_cost_model
-
-        stage_costs = stage_cost_model(shape, cfg.pipeline_layer_split(shape), cfg.sparse.moba_topk, latency,
-                                       cfg.sparse.moba_block_size, cfg.data.seq_length)
-        trainer.stage_costs = stage_costs if cfg.dst.dst_growth == "critical-path" else None
-        batcher.stage_costs = stage_costs if cfg.batching.micro_batch_count_objective == "simulated" else None
+    stage_costs = stage_costs_of(cfg, shape, latency)
+    trainer.stage_costs = stage_costs if cfg.dst.dst_growth == "critical-path" else None
+    batcher.stage_costs = stage_costs if cfg.batching.micro_batch_count_objective == "simulated" else None
     evaluator = Evaluator(cfg, trainer, batcher) if cfg.eval.enabled else None  # before a resume changes the batcher
     # Bytes are counted per stage; a replica is all its pipeline stages.
     pp_group = parallel_state.get_pipeline_model_parallel_group()
