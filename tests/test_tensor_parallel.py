@@ -79,8 +79,10 @@ def test_layouts_that_cannot_work_are_refused_by_name_before_any_process_group()
 
     validate("--tensor-model-parallel-size", "2", "--sequence-parallel", world=2)
     validate("--tensor-model-parallel-size", "4", "--sequence-parallel", world=4)  # 2 groups replicated on 4 ranks
+    # Megatron-LM's rule: with TP = 1, --sequence-parallel is turned off (with a warning), not refused.
+    cfg = config_from_args(parser.parse_args(["--model", "tiny", "--mock-data", "--sequence-parallel"]))
+    assert not cfg.validate(1).sequence_parallel
     for flags, world, match in (
-            (["--sequence-parallel"], 1, "--sequence-parallel .* needs --tensor-model-parallel-size > 1"),
             (["--tensor-model-parallel-size", "8"], 8,
              r"--tensor-model-parallel-size \(8\) must divide --num-attention-heads \(4\)"),
             (["--tensor-model-parallel-size", "3"], 3, "must divide --num-attention-heads"),

@@ -239,7 +239,7 @@ def eval_loss(trainer, seed: int) -> float:
     reports = forward_backward_sparsebalance(forward_step_func=gpt_forward_step,
                                              data_iterator=iter(micro_batches(LENGTHS, seed)), model=[trainer.model],
                                              num_microbatches=len(LENGTHS), plan=plan, forward_only=True)
-    return trainer._loss_on_every_rank(reports)
+    return trainer._loss_on_every_rank(reports)[0]  # (micro-batch mean, token-weighted): the first
 
 
 def close(a: float, b: float) -> bool:

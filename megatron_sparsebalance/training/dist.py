@@ -67,7 +67,8 @@ def seed_everything(seed: int) -> None:
     random.seed(stage_seed)
     np.random.seed(stage_seed)
     torch.manual_seed(stage_seed)
-    if torch.cuda.is_available() or _cpu_rng_shimmed():
+    # The tracker is megatron-core's per tensor-parallel rank: it exists once the groups do.
+    if parallel_state.model_parallel_is_initialized() and (torch.cuda.is_available() or _cpu_rng_shimmed()):
         # On a CPU (under training.cpu_compat) the tracker's states are placeholders, but
         # megatron-core's tensor-parallel regions (the sequence-parallel embedding) fork them.
         from megatron.core import tensor_parallel
