@@ -14,7 +14,7 @@ Two modes:
   is unconstrained by the coverage bound ``p`` (the router's scores do not exist in a simulation),
   so its rows are the ideal DST can reach for these costs.
 
-    python tools/simulate_pipeline.py --replay benchmarks/results/pipeline_dst_h200x2_longtail.json
+    python tools/simulate_pipeline.py --replay benchmarks/results/pipeline_dst/pipeline_dst_h200x2_longtail.json
     python tools/simulate_pipeline.py --model qwen2.5-3b --pp 4 --tp 2 --gpus 32 64 128 256 512 1024 \\
         --dist bimodal --latency-table benchmarks/results/e2e/latency_table_h200.json --out sim.json
 """
