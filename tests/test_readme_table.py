@@ -122,3 +122,14 @@ def test_reader_selects_one_row_and_takes_ratios_and_percentages():
     assert shown("**2.50×**", 2.5) == "2.50" and shown("2.5×", 2.46) == "2.5"
     with pytest.raises(AssertionError, match="2 elements match"):
         read_path(data, "rows[seq=32768].ms")
+
+
+def test_readme_stays_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+def test_results_top_level_holds_no_rechecks_or_probes():
+    """A rerun replaces the canonical file; rechecks, probes and superseded rounds live in archive/."""
+    names = [p.name for p in RESULTS.iterdir() if p.is_file()]
+    assert "attention_h200.json" in names
+    assert not [n for n in names if re.search(r"recheck|probe|rerun|firstpass", n)]
