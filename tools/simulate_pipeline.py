@@ -23,7 +23,7 @@ Two modes:
 
     python tools/simulate_pipeline.py --ablation --iters 12 --warmup 3 --micro-batch-tokens 65536 \\
         --latency-table benchmarks/results/latency_table_h200.json --out benchmarks/results/simulate_balance_h200.json
-    python tools/simulate_pipeline.py --replay benchmarks/results/pipeline_dst_h200x2_longtail.json
+    python tools/simulate_pipeline.py --replay benchmarks/results/pipeline_dst/pipeline_dst_h200x2_longtail.json
     python tools/simulate_pipeline.py --model qwen2.5-3b --pp 4 --tp 2 --gpus 32 64 128 256 512 1024 \\
         --dist bimodal --latency-table benchmarks/results/e2e/latency_table_h200.json --out sim.json
 """

@@ -21,7 +21,7 @@ namespace {
 using kernels::Params;
 
 // Tiles per head dim of the mma.sync kernels (GPUs other than Hopper, and dK/dV at block 64),
-// from runs on one H200 at S = 32K, 25% (docs/KERNEL_HISTORY.md):
+// from runs on one H200 at S = 32K, 25% (docs/HISTORY.md):
 // * FWD_MI, DQ_MI: slices of 16 query rows per warp. Two slices share every K/V fragment a warp
 //   loads; at D = 128 the dQ kernel then spills (255 registers) and runs 1.26x slower, so it
 //   keeps one there.

@@ -8,7 +8,7 @@
 // (P while dP^T runs, dS while dV's products run), and the warpgroups of a CTA interleave on
 // the tensor cores.
 //
-// What set their speed, measured on one H200 (docs/KERNEL_HISTORY.md): the order in which CTAs start
+// What set their speed, measured on one H200 (docs/HISTORY.md): the order in which CTAs start
 // (the longest first, see the grids below); warp specialisation (a producer warpgroup copies,
 // two or three consumers multiply, and mbarriers rather than CTA barriers pass the buffers, so
 // the consumers drift apart and one's exponentials overlap another's products); and the
@@ -353,7 +353,7 @@ __device__ __forceinline__ void store_dkdv(const float (&dk)[1][D / 8][4], const
 // SM's share). Each part of a cut list writes its fp32 dK and dV to its slot; the last to finish
 // (counted in dkdv_arrivals) adds the slots up in the parts' order and stores the sum, so the
 // gradients stay deterministic (dkdv_combine_parts). On one H200 this made the kernel 2.0x faster
-// at 3B 8K 10%, 2.5x at 8K 25%, 17% at 3B 32K 10% and 7% at 0.5B 32K 10% (docs/KERNEL_HISTORY.md).
+// at 3B 8K 10%, 2.5x at 8K 25%, 17% at 3B 32K 10% and 7% at 0.5B 32K 10% (docs/HISTORY.md).
 //
 // Order: a schedule of the real lists, longest first, ended 0.3-1.7% after the ideal at 0.5B
 // (S = 32K/64K, 10%/25%) against 1-10% in the grid's fixed order. Parts are binned by length
@@ -566,7 +566,7 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
 // the 3B forward is 3-5% faster than with three at 25% density and as fast at 10%; without Q in
 // registers, two consumers were 1-1.5% faster at 25% (S = 32K/64K, one H200). dQ holds S and dP
 // as well: three consumers fit only with 64-key chunks, and at 0.5B the backward was no faster;
-// Q in registers there (head dim 128) made the 3B backward 3-4% slower (docs/KERNEL_HISTORY.md).
+// Q in registers there (head dim 128) made the 3B backward 3-4% slower (docs/HISTORY.md).
 //
 // The product that closes a step (P V, dS K) runs during the next step's exponentials: a
 // consumer issues chunk it's score products and then chunk it - 1's closing product, and hands

@@ -46,7 +46,7 @@ LOG2E = 1.4426950408889634
 # kernel's four dependent products before the work that needs it, so one program leaves its
 # tensor cores idle through its softmax work and a second program fills those gaps: at 3B, 32K
 # 1.13-1.16x faster than the 8-warp tile (one program per SM); at 0.5B twice the rows per step
-# while still two programs, 1.34-1.38x (docs/KERNEL_HISTORY.md, "What limited the kernels").
+# while still two programs, 1.34-1.38x (docs/HISTORY.md, "How the CUDA kernels got here").
 CONFIGS = {  # picked on an H200 at S=32K, density 25% (benchmarks/attention.py --tune)
     ("fwd", 64): (64, 64, 4, 3),
     ("fwd", 128): (128, 64, 4, 2),
