@@ -22,6 +22,7 @@ def test_tp2_with_sequence_parallel_trains_with_dst_and_sab(tmp_path, impl):
     log_dir = str(tmp_path / "tp2")
     rc, err = run_pretrain([*TINY, "--sparse-attn-impl", impl, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                             "--bf16", "--dst-anchor", "mean", "--dst-p", "0.1", "--batching", "sab", "--train-iters", "12",
+                            "--kv-channels", "64",  # the GPU kernels take head dim 64 or 128 (tiny's is 32)
                             "--log-dir", log_dir], nproc=2)
     assert rc == 0, err[-3000:]
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
