@@ -11,6 +11,8 @@ What changed between them, and where it matters to us:
   defaults to NVIDIA Resiliency Extension's queue, which a synchronous save does not need.
 - ``ProcessGroupCollection``: 0.19 returns None for a declared group that was never set, and a
   None group means the whole world to torch.distributed (:func:`replica_local_process_groups`).
+- the distributed optimizer's checkpoint layout: 0.16's default (flattened ranges) is refused
+  by 0.19's ``ShardedTensor`` (:func:`optimizer_sharded_state_dict`).
 - ``initialize_model_parallel`` gained positional parameters after ``expert_model_parallel_size``
   in 0.19: :func:`initialize_model_parallel` passes keywords only.
 - ``megatron.training`` exists from 0.19's wheel on (:data:`HAVE_MEGATRON_TRAINING`); its
@@ -112,6 +114,22 @@ def torch_dist_save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1)
 
 
+def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool = False):
+    """The optimizer's ``dist_checkpointing`` state, in a layout that reshards across TP, PP and DP.
+
+    0.16's distributed optimizer defaults to ``fully_sharded_model_space`` (flattened ranges of
+    each parameter), which 0.19's ``ShardedTensor`` no longer accepts ("flattened_range is not
+    supported"). From 0.17 on we ask for ``fully_reshardable``: saved in each parameter's own
+    shape, so a checkpoint loads at any TP/PP/DP layout, as our checkpoints promise (Megatron-LM's
+    default, ``dp_reshardable``, reshards only over DP). A plain (non-distributed) optimizer
+    ignores the metadata.
+    """
+    if MEGATRON_CORE < (0, 17):
+        return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
+    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                        metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+
+
 # ---- process groups --------------------------------------------------------------------------
 
 # The data-parallel groups of a ProcessGroupCollection, as DDP and the distributed optimizer read
@@ -174,4 +192,4 @@ def use_prebuilt_dataset_helpers() -> None:
 
 
 __all__ = ["HAVE_MEGATRON_TRAINING", "MEGATRON_CORE", "MEGATRON_CORE_VERSION", "initialize_model_parallel",
-           "replica_local_process_groups", "torch_dist_save_strategy", "use_prebuilt_dataset_helpers"]
+           "optimizer_sharded_state_dict", "replica_local_process_groups", "torch_dist_save_strategy", "use_prebuilt_dataset_helpers"]

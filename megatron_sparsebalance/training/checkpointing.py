@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.utils import unwrap_model
 
-from megatron_sparsebalance.compat import torch_dist_save_strategy
+from megatron_sparsebalance.compat import optimizer_sharded_state_dict, torch_dist_save_strategy
 
 FORMAT = "megatron-sparsebalance/1"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -101,7 +101,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer=None, common: Op
     model_sd = unwrap_model(model).sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd)
+        state["optimizer"] = optimizer_sharded_state_dict(optimizer, model_sd)
     state["common"] = {"format": FORMAT, "iteration": iteration, "layout": parallel_layout(), **(common or {})}
     dist_checkpointing.save(state, path, sharded_strategy=torch_dist_save_strategy())
     torch.save(rng_state(), os.path.join(path, f"rng_rank{_rank()}.pt"))
@@ -198,7 +198,7 @@ def load_checkpoint(path: str, model, optimizer=None, strict: bool = True, optim
     model_sd = inner.sharded_state_dict()
     request: dict[str, Any] = {"model": model_sd}
     if resume:
-        request["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+        request["optimizer"] = optimizer_sharded_state_dict(optimizer, model_sd, is_loading=True)
     loaded = dist_checkpointing.load(request, path)
     common = dist_checkpointing.load_common_state_dict(path).get("common", {})
     if common.get("format") != FORMAT:
