@@ -118,6 +118,9 @@ def _refuse_what_we_cannot_run(args) -> None:
         (getattr(args, "decoder_pipeline_split", "even") == "auto",
          "--decoder-pipeline-split auto: Megatron-LM builds the model before any data is read; print the split "
          "with tools/plan_pipeline_split.py and pass --decoder-first/last-pipeline-num-layers"),
+        (getattr(args, "attention_dropout", 0.0) > 0,
+         f"--attention-dropout {getattr(args, 'attention_dropout', 0.0)}: the sparse attention kernels have no "
+         "dropout (Megatron-LM's default is 0.1): pass --attention-dropout 0"),
         (getattr(args, "variable_micro_batches", False) and not args.calculate_per_token_loss,
          "--variable-micro-batches needs --calculate-per-token-loss: a micro-batch count that changes between "
          "iterations is exact only with per-token normalization"),

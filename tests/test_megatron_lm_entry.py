@@ -32,3 +32,22 @@ def test_extra_args_provider_adds_only_the_flags_megatron_lm_lacks():
     # Megatron-LM's own training flags are not ours to add.
     for name in ("train_iters", "micro_batch_size", "lr", "pipeline_model_parallel_size", "save"):
         assert not hasattr(args, name), name
+
+
+def test_what_the_plugin_cannot_run_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from megatron_sparsebalance.megatron_lm import _refuse_what_we_cannot_run
+
+    fine = dict(virtual_pipeline_model_parallel_size=None, context_parallel_size=1, use_legacy_models=False,
+                dataloader_type=None, decoder_pipeline_split="even", attention_dropout=0.0,
+                variable_micro_batches=False, calculate_per_token_loss=False)
+    _refuse_what_we_cannot_run(SimpleNamespace(**fine))
+    for change, flag in ((dict(virtual_pipeline_model_parallel_size=2), "--num-layers-per-virtual-pipeline-stage"),
+                         (dict(context_parallel_size=2), "--context-parallel-size"),
+                         (dict(dataloader_type="cyclic"), "--dataloader-type cyclic"),
+                         (dict(decoder_pipeline_split="auto"), "--decoder-pipeline-split auto"),
+                         (dict(attention_dropout=0.1), "--attention-dropout 0.1"),
+                         (dict(variable_micro_batches=True), "--calculate-per-token-loss")):
+        with pytest.raises(ValueError, match=flag):
+            _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, **change}))
