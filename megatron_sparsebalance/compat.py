@@ -12,7 +12,8 @@ What changed between them, and where it matters to us:
 - ``ProcessGroupCollection``: 0.19 returns None for a declared group that was never set, and a
   None group means the whole world to torch.distributed (:func:`replica_local_process_groups`).
 - the distributed optimizer's checkpoint layout: 0.16's default (flattened ranges) is refused
-  by 0.19's ``ShardedTensor`` (:func:`optimizer_sharded_state_dict`).
+  by 0.19's ``ShardedTensor``; 0.17+ saves it resharding over DP only
+  (:func:`optimizer_sharded_state_dict`, :func:`optimizer_state_reshards_over_tp_pp`).
 - ``initialize_model_parallel`` gained positional parameters after ``expert_model_parallel_size``
   in 0.19: :func:`initialize_model_parallel` passes keywords only.
 - ``megatron.training`` exists from 0.19's wheel on (:data:`HAVE_MEGATRON_TRAINING`); its
@@ -115,19 +116,27 @@ def torch_dist_save_strategy():
 
 
 def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool = False):
-    """The optimizer's ``dist_checkpointing`` state, in a layout that reshards across TP, PP and DP.
+    """The optimizer's ``dist_checkpointing`` state, in a layout this megatron-core can save and load.
 
     0.16's distributed optimizer defaults to ``fully_sharded_model_space`` (flattened ranges of
-    each parameter), which 0.19's ``ShardedTensor`` no longer accepts ("flattened_range is not
-    supported"). From 0.17 on we ask for ``fully_reshardable``: saved in each parameter's own
-    shape, so a checkpoint loads at any TP/PP/DP layout, as our checkpoints promise (Megatron-LM's
-    default, ``dp_reshardable``, reshards only over DP). A plain (non-distributed) optimizer
-    ignores the metadata.
+    each parameter), which 0.19's ``ShardedTensor`` refuses ("flattened_range is not supported").
+    From 0.17 on we ask for ``dp_reshardable``, Megatron-LM's own default: ``fully_reshardable``
+    would reshard over TP and PP too, but 0.19 cannot load it into torch's Adam (its per-parameter
+    ``step`` tensor has no source: KeyError 'step'), which is the Adam we run without Transformer
+    Engine or apex. A plain (non-distributed) optimizer ignores the metadata.
     """
     if MEGATRON_CORE < (0, 17):
         return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
     return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
-                                        metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+                                        metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+
+
+def optimizer_state_reshards_over_tp_pp(optimizer) -> bool:
+    """Whether ``optimizer``'s checkpointed state loads at another TP or PP size (see above)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return MEGATRON_CORE < (0, 17) or not any(isinstance(o, DistributedOptimizer) for o in parts)
 
 
 # ---- process groups --------------------------------------------------------------------------
@@ -192,4 +201,4 @@ def use_prebuilt_dataset_helpers() -> None:
 
 
 __all__ = ["HAVE_MEGATRON_TRAINING", "MEGATRON_CORE", "MEGATRON_CORE_VERSION", "initialize_model_parallel",
-           "optimizer_sharded_state_dict", "replica_local_process_groups", "torch_dist_save_strategy", "use_prebuilt_dataset_helpers"]
+           "optimizer_sharded_state_dict", "optimizer_state_reshards_over_tp_pp", "replica_local_process_groups", "torch_dist_save_strategy", "use_prebuilt_dataset_helpers"]

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.utils import unwrap_model
 
-from megatron_sparsebalance.compat import optimizer_sharded_state_dict, torch_dist_save_strategy
+from megatron_sparsebalance.compat import (optimizer_sharded_state_dict, optimizer_state_reshards_over_tp_pp,
+                                           torch_dist_save_strategy)
 
 FORMAT = "megatron-sparsebalance/1"
 LATEST = "latest_checkpointed_iteration.txt"
@@ -197,15 +198,22 @@ def load_checkpoint(path: str, model, optimizer=None, strict: bool = True, optim
     inner = unwrap_model(model)
     model_sd = inner.sharded_state_dict()
     request: dict[str, Any] = {"model": model_sd}
+    common = dist_checkpointing.load_common_state_dict(path).get("common", {})
     if resume:
+        saved, now = common.get("layout"), parallel_layout()
+        if saved is not None and (saved["tp"], saved["pp"]) != (now["tp"], now["pp"]) \
+                and not optimizer_state_reshards_over_tp_pp(optimizer):
+            raise ValueError(f"--load {path}: the distributed optimizer's state was saved at TP={saved['tp']} "
+                             f"PP={saved['pp']} and reshards only over DP on this megatron-core; resume at that "
+                             "TP x PP, or pass --no-load-optim to load the weights alone")
         request["optimizer"] = optimizer_sharded_state_dict(optimizer, model_sd, is_loading=True)
     loaded = dist_checkpointing.load(request, path)
-    common = dist_checkpointing.load_common_state_dict(path).get("common", {})
     if common.get("format") != FORMAT:
         raise ValueError(f"{path} is not a megatron-sparsebalance checkpoint (format {common.get('format')!r})")
     inner.load_state_dict(loaded["model"], strict=strict)
     if resume:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into its fp32 main params in place
+            optimizer.load_state_dict(loaded["optimizer"])
     elif optimizer is not None:
         optimizer.reload_model_params()
     rng = os.path.join(path, f"rng_rank{_rank()}.pt")
