@@ -346,17 +346,9 @@ def datasets_provider(train_valid_test_num_samples):
 datasets_provider.is_distributed = True  # every rank builds the same streams itself (no broadcast)
 
 
-def _figures(metrics, pp: int) -> dict:
-    """Our per-iteration figures, as Megatron-LM's loss reports carry them (one number each)."""
-    return {
-        "sb imbalance": metrics.imbalance,
-        "sb bubble": sum(metrics.bubble) / len(metrics.bubble),
-        "sb predicted ms": (sum(metrics.predicted_ms) / pp if metrics.predicted_ms and None not in metrics.predicted_ms
-                            else float("nan")),
-        "sb measured ms": metrics.iteration_ms,
-        "sb mean budget": sum(metrics.budgets) / len(metrics.budgets) if metrics.budgets else float("nan"),
-        "sb coverage": sum(metrics.coverage) / len(metrics.coverage) if metrics.coverage else float("nan"),
-    }
+# Megatron-LM's log line and TensorBoard name them (figure names of IterationMetrics.figures).
+_LOG_NAMES = {"imbalance": "sb imbalance", "bubble": "sb bubble", "predicted_ms": "sb predicted ms",
+              "measured_ms": "sb measured ms", "mean_budget": "sb mean budget", "mean_coverage": "sb coverage"}
 
 
 class SparseBalanceSchedule:
@@ -401,7 +393,7 @@ class SparseBalanceSchedule:
         if state.cfg.sparse.sparse_attention:
             stream.sampler.update(sample_plan, sample_plan.split_by_rank(metrics.budgets))
         state.iteration += 1
-        figures = _figures(metrics, state.pp)
+        figures = {_LOG_NAMES[k]: v for k, v in metrics.figures(state.pp).items()}
         for report in reports:
             for key, value in figures.items():
                 report[key] = torch.tensor([value], dtype=torch.float32, device=state.device)

@@ -198,13 +198,10 @@ class Metrics:
             tflops_per_gpu=flops / (elapsed_ms / 1e3) / world / 1e12, lr=lr, loss=step.loss,
             lm_loss=step.extra.get("lm_loss", float("nan")),
             grad_norm=float(step.grad_norm) if step.grad_norm is not None else float("nan"),
-            skipped=skipped_total, nan=nan_total, imbalance=m.imbalance if m else float("nan"),
-            bubble=sum(m.bubble) / len(m.bubble) if m else float("nan"),
-            predicted_ms=(sum(m.predicted_ms) / parallel_state.get_pipeline_model_parallel_world_size()
-                          if m and m.predicted_ms else float("nan")),
-            measured_ms=m.iteration_ms if m else elapsed_ms,
-            mean_budget=sum(m.budgets) / len(m.budgets) if m and m.budgets else float("nan"),
-            mean_coverage=sum(m.coverage) / len(m.coverage) if m and m.coverage else float("nan"),
+            skipped=skipped_total, nan=nan_total,
+            **(m.figures(parallel_state.get_pipeline_model_parallel_world_size()) if m else dict(
+                imbalance=float("nan"), bubble=float("nan"), predicted_ms=float("nan"), measured_ms=elapsed_ms,
+                mean_budget=float("nan"), mean_coverage=float("nan"))),
             dst_ms=step.dst_ms, sab_ms=sab_ms,
             **(comm or {}),
         )

@@ -104,6 +104,20 @@ class IterationMetrics:
         with open(path, "w") as f:
             json.dump(self.chrome_trace(), f)
 
+    def figures(self, pipeline_stages: int) -> dict:
+        """What both entries log per iteration: imbalance, mean bubble over stages, the plan's
+        predicted and the measured step ms, the mean budget used and its coverage (NaN where
+        the iteration has none, e.g. dense layers report no budgets)."""
+        nan = float("nan")
+        predicted = self.predicted_ms and None not in self.predicted_ms
+        return dict(
+            imbalance=self.imbalance, bubble=sum(self.bubble) / len(self.bubble) if self.bubble else nan,
+            predicted_ms=sum(self.predicted_ms) / pipeline_stages if predicted else nan,
+            measured_ms=self.iteration_ms,
+            mean_budget=sum(self.budgets) / len(self.budgets) if self.budgets else nan,
+            mean_coverage=sum(self.coverage) / len(self.coverage) if self.coverage else nan,
+        )
+
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("records")
