@@ -26,6 +26,19 @@ def gloo_world_of_one():
     destroy_distributed()
 
 
+@pytest.fixture(scope="module")
+def megatron_world():
+    """One gloo process for the in-process conversions; undone afterwards unless set up before."""
+    import torch.distributed as dist
+
+    from megatron_sparsebalance.training.dist import destroy_distributed
+
+    was = dist.is_initialized()
+    yield
+    if not was:
+        destroy_distributed()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

@@ -50,19 +50,6 @@ def make_hf_model(family: str, overrides: dict, out_dir: str, seed: int = 0) -> 
 
 
 @pytest.fixture(scope="module")
-def megatron_world():
-    """One gloo process for the in-process conversions; undone afterwards unless set up before."""
-    import torch.distributed as dist
-
-    from megatron_sparsebalance.training.dist import destroy_distributed
-
-    was = dist.is_initialized()
-    yield
-    if not was:
-        destroy_distributed()
-
-
-@pytest.fixture(scope="module")
 def converted(tmp_path_factory, megatron_world):
     """Each case: HF dir -> (CLI) mcore checkpoint with --verify -> (CLI) HF dir."""
     root = tmp_path_factory.mktemp("convert")

@@ -18,18 +18,6 @@ from tools.get_model import main as get_model_cli
 
 
 @pytest.fixture(scope="module")
-def megatron_world():
-    import torch.distributed as dist
-
-    from megatron_sparsebalance.training.dist import destroy_distributed
-
-    was = dist.is_initialized()
-    yield
-    if not was:
-        destroy_distributed()
-
-
-@pytest.fixture(scope="module")
 def tiny(tmp_path_factory, megatron_world):
     """GGUF written -> tools/get_model.py --gguf -> HF directory + verified checkpoint."""
     root = tmp_path_factory.mktemp("gguf")
