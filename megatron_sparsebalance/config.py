@@ -275,6 +275,11 @@ class TrainingConfig:
     latency model predicts."""
     manual_gc_interval: int = 0
     """With --manual-gc, collect every this many iterations, between iterations (0: never)."""
+    empty_unused_memory_level: int = 0
+    """Release PyTorch's cached GPU memory each iteration (Megatron-LM's flag): 1 after the
+    forward/backward, 2 also after the optimizer step. A stage whose peak fills the GPU (the
+    output layer's fp32 logits at 64K tokens) leaves no room for the NCCL communicator that the
+    gradient norm's all-reduce creates on its first use, unless the cache is released first."""
     calculate_per_token_loss: bool = False
     """Normalize the loss by the tokens of the whole global batch instead of per micro-batch
     (megatron-core's calculate_per_token_loss; the logged loss is then the token-weighted mean)."""
@@ -618,6 +623,9 @@ class SparseBalanceConfig:
             raise ValueError(f"--manual-gc-interval must be >= 0, got {self.training.manual_gc_interval}")
         if self.training.manual_gc_interval and not self.training.manual_gc:
             raise ValueError("--manual-gc-interval needs --manual-gc")
+        if self.training.empty_unused_memory_level not in (0, 1, 2):
+            raise ValueError(f"--empty-unused-memory-level must be 0, 1 or 2, got "
+                             f"{self.training.empty_unused_memory_level}")
         if lg.log_interval < 1:
             raise ValueError(f"--log-interval must be >= 1, got {lg.log_interval}")
         if not self.data.mock_data and self.data.data_path and not (

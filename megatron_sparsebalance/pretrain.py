@@ -311,7 +311,8 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
                       # normalization, so --variable-micro-batches turns it on.
                       calculate_per_token_loss=(cfg.training.calculate_per_token_loss
                                                 or cfg.batching.variable_micro_batches),
-                      use_transformer_engine=cfg.megatron_lm.transformer_impl == "transformer_engine")
+                      use_transformer_engine=cfg.megatron_lm.transformer_impl == "transformer_engine",
+                      empty_unused_memory_level=cfg.training.empty_unused_memory_level)
     stage_costs = stage_costs_of(cfg, shape, latency)
     trainer.stage_costs = stage_costs if cfg.dst.dst_growth == "critical-path" else None
     batcher.stage_costs = stage_costs if cfg.batching.micro_batch_count_objective == "simulated" else None

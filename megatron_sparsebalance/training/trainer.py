@@ -109,7 +109,9 @@ class Trainer:
         sequence_parallel: bool = False,
         calculate_per_token_loss: bool = False,
         use_transformer_engine: bool = False,
+        empty_unused_memory_level: int = 0,
     ):
+        self.empty_unused_memory_level = empty_unused_memory_level
         self.shape, self.sparse, self.dst = shape, sparse.validate(), dst.validate()
         optim.validate()
         self.dp_comm = (dp_comm or DPCommConfig()).validate(optim.use_distributed_optimizer)
@@ -196,6 +198,8 @@ class Trainer:
             model=[self.model], num_microbatches=len(batches), plan=plan,
         )
         loss, lm_loss = self._loss_on_every_rank(reports)
+        if self.empty_unused_memory_level >= 1:
+            torch.cuda.empty_cache()  # a no-op where CUDA was never initialized
         # A non-finite loss or gradient skips the update (counted by the caller); megatron-core's
         # optimizer only checks for that itself under fp16 loss scaling.
         grad_norm = self.optimizer.get_grad_norm() if math.isfinite(loss) else float("nan")
@@ -205,6 +209,8 @@ class Trainer:
             ok = False
         if ok:
             self.scheduler.step(increment=1)
+        if self.empty_unused_memory_level >= 2:
+            torch.cuda.empty_cache()
         if measure and self.calibrate and self.latency_model is not None and plan.measured is not None:
             self._calibrate(micro_batch_lengths, plan.measured)
         if self.coverage_floor is not None and plan.measured is not None:

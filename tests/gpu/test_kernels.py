@@ -354,18 +354,19 @@ def test_route_on_gpu_matches_the_torch_router(monkeypatch, router, k_base, p):
     pool in different fp32 summation orders)."""
     import importlib
 
-    from megatron_sparsebalance.ops.sparse_attention import _route_torch, route
+    from megatron_sparsebalance.ops.sparse_attention import RouteSync, _route_torch, route
 
     # the module itself: megatron_sparsebalance.ops exports a function of the same name
     sparse_attention = importlib.import_module("megatron_sparsebalance.ops.sparse_attention")
     _impl(router)
-    monkeypatch.setattr(sparse_attention, "gpu_router", lambda q, layout: getattr(sparse_attention, f"_route_{router}"))
+    monkeypatch.setattr(sparse_attention, "gpu_router",
+                        lambda q, layout, sync=None, bounded=False: getattr(sparse_attention, f"_route_{router}"))
     q, k, _, rt = _pack([6000, 2000, 100], 14, 2, 64, torch.bfloat16, 128, 3)
     for budget in (4, 16, 48):
         got, stats = route(q.detach(), k.detach(), rt.layout, budget, k_base=k_base, p=p)
         bounded = p is not None and budget < k_base
         ref, curve, k_used, _ = _route_torch(q.detach(), k.detach(), rt.layout, budget, k_base or 0,
-                                             p if bounded else None, max(budget, k_base or 1))
+                                             p if bounded else None, max(budget, k_base or 1), RouteSync())
         assert stats.k_used == int(k_used)
         assert got.kv_idx.shape == ref.kv_idx.shape
         assert (got.kv_idx != ref.kv_idx).float().mean().item() < 1e-3
