@@ -494,11 +494,15 @@ MEASURED_ORDER_PATH = "megatron_sparsebalance/ops/measured_order.py"
 
 def render_measured_order(table: dict) -> str:
     """The source of ``ops/measured_order.py`` holding ``table``."""
-    import pprint
-
     from megatron_sparsebalance.ops import measured_order
 
-    return f'"""{measured_order.__doc__}"""\n\nMEASURED = {pprint.pformat(table, indent=4, width=110)}\n'
+    lines = ["MEASURED = {"]
+    for gpu in sorted(table):
+        lines.append(f"    {gpu!r}: {{")
+        lines += [f"        {key!r}: {value!r}," for key, value in sorted(table[gpu].items())]
+        lines.append("    },")
+    lines.append("}")
+    return f'"""{measured_order.__doc__}"""\n\n' + "\n".join(lines) + "\n"
 
 
 def update_measured_order(results_path: str, module_path: str | None = None) -> dict:

@@ -6,11 +6,17 @@ that file, fastest first by the geometric mean of their fwd+bwd ms (``geomean_ms
 it came from. A GPU not listed here gets the built-in order (``implementations.builtin_order``).
 """
 
-MEASURED = {   'NVIDIA H100 80GB HBM3': {   'cases': 8,
-                                 'geomean_ms': {'cuda': 7.2118, 'fa4': 9.0372},
-                                 'order': ['cuda', 'fa4'],
-                                 'source': 'benchmarks/results/attention_h100_fa4.json'},
-    'NVIDIA H200': {   'cases': 24,
-                       'geomean_ms': {'cuda': 3.03, 'triton': 5.1856},
-                       'order': ['cuda', 'triton'],
-                       'source': 'benchmarks/results/attention_h200.json'}}
+MEASURED = {
+    'NVIDIA H100 80GB HBM3': {
+        'cases': 8,
+        'geomean_ms': {'cuda': 7.2118, 'fa4': 9.0372},
+        'order': ['cuda', 'fa4'],
+        'source': 'benchmarks/results/attention_h100_fa4.json',
+    },
+    'NVIDIA H200': {
+        'cases': 24,
+        'geomean_ms': {'cuda': 3.03, 'triton': 5.1856},
+        'order': ['cuda', 'triton'],
+        'source': 'benchmarks/results/attention_h200.json',
+    },
+}
