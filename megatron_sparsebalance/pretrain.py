@@ -278,6 +278,30 @@ class _Sigterm:
 # ---- the run -------------------------------------------------------------------------------
 
 
+def out_of_memory_advice(cfg: SparseBalanceConfig, trainer: Trainer, iteration: int, lengths) -> str:
+    """What ran out of memory, and the flags that lower it: a stage's peak is its in-flight
+    micro-batches' activations (1F1B keeps ``PP - stage`` of them), plus the output layer's logits
+    on the last stage, and neither is visible from the flags alone."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    layers = sum(1 for m in trainer.model.modules() if isinstance(m, TransformerLayer))
+    micro_batches = lengths[parallel_state.get_data_parallel_rank()]
+    largest = max((sum(mb) for mb in micro_batches), default=0)
+    what = f"{layers} layers" + (" and the output layer" if stage == pp - 1 else "")
+    return (
+        f"pipeline stage {stage} of {pp} ({what}) ran out of GPU memory in iteration {iteration}, with "
+        f"micro-batches of up to {largest} tokens and {min(pp - stage, len(micro_batches))} of them in flight "
+        f"on this stage. What lowers it: activation recomputation (--recompute-granularity selective "
+        f"--recompute-modules mlp, or --recompute-granularity full --recompute-method uniform "
+        f"--recompute-num-layers 1); fewer layers on this stage (--decoder-first-pipeline-num-layers, "
+        f"--decoder-last-pipeline-num-layers); --tensor-model-parallel-size 2 --sequence-parallel; a shorter "
+        f"--seq-length. Where NCCL reported it (a communicator created on its first use at the stage's peak), "
+        f"--empty-unused-memory-level 1 releases PyTorch's cache first, at a cost per iteration."
+    )
+
+
 def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
     """Train per ``cfg`` in this process (one rank of a torchrun job); returns the logged rows.
 
@@ -395,7 +419,12 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
             plan = sampler.next_plan()
             sab_ms = (time.perf_counter() - t0) * 1e3
             lengths = plan.rank_micro_batch_lengths()  # per rank: counts differ under --variable-micro-batches
-            step = trainer.train_step(lengths, sampler.micro_batches(dataset, plan, dp_rank))
+            try:
+                step = trainer.train_step(lengths, sampler.micro_batches(dataset, plan, dp_rank))
+            except (torch.OutOfMemoryError, dist.DistBackendError) as exc:
+                if isinstance(exc, dist.DistBackendError) and "out of memory" not in str(exc):
+                    raise
+                raise torch.OutOfMemoryError(out_of_memory_advice(cfg, trainer, iteration, lengths)) from exc
             elapsed_ms = (time.perf_counter() - t0) * 1e3
             m = step.metrics
             if m is not None and cfg.sparse.sparse_attention:  # dense layers report no budgets for SAB's estimator

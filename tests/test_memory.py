@@ -1,4 +1,5 @@
-"""``--empty-unused-memory-level``: the cached memory is released where Megatron-LM releases it."""
+"""GPU memory: ``--empty-unused-memory-level`` releases the cache where Megatron-LM does, and running
+out of memory says which stage and which flags lower it."""
 import pytest
 import torch
 
@@ -42,3 +43,36 @@ def test_levels_other_than_0_1_2_are_refused(value):
     args = build_parser().parse_args(["--mock-data", "--empty-unused-memory-level", value])
     with pytest.raises(ValueError, match="--empty-unused-memory-level must be 0, 1 or 2"):
         config_from_args(args).validate(world_size=1)
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 36.17 GiB"),
+                                   torch.distributed.DistBackendError("NCCL error: Cuda failure 2 'out of memory'")])
+def test_out_of_memory_names_the_stage_and_the_flags_that_lower_it(megatron_world, monkeypatch, error):
+    from megatron_sparsebalance.config import parse_config
+    from megatron_sparsebalance.pretrain import pretrain
+    from tests.pretrain_cases import TINY
+
+    def runs_out(self, lengths, batches, measure=True):
+        raise error
+
+    monkeypatch.setattr(Trainer, "train_step", runs_out)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        pretrain(parse_config(TINY + ["--train-iters", "2", "--num-layers", "2"]))
+    message = str(info.value)
+    assert "pipeline stage 0 of 1 (2 layers and the output layer) ran out of GPU memory in iteration 1" in message
+    assert "--recompute-granularity selective --recompute-modules mlp" in message
+    assert "--empty-unused-memory-level 1" in message
+    assert info.value.__cause__ is error
+
+
+def test_other_nccl_errors_pass_through(megatron_world, monkeypatch):
+    from megatron_sparsebalance.config import parse_config
+    from megatron_sparsebalance.pretrain import pretrain
+    from tests.pretrain_cases import TINY
+
+    def fails(self, lengths, batches, measure=True):
+        raise torch.distributed.DistBackendError("NCCL error: unhandled system error")
+
+    monkeypatch.setattr(Trainer, "train_step", fails)
+    with pytest.raises(torch.distributed.DistBackendError, match="unhandled system error"):
+        pretrain(parse_config(TINY + ["--train-iters", "2", "--num-layers", "2"]))
