@@ -461,3 +461,17 @@ def test_cuda_kernel_version_follows_the_compiled_sources(tmp_path, monkeypatch)
     before = latency.kernel_version_of("cuda")
     kernel.write_text("__global__ void k() { /* faster */ }\n")
     assert latency.kernel_version_of("cuda") != before
+
+
+def test_profiler_takes_selective_recomputation_as_pretrain_does():
+    """A table for a run with --recompute-granularity selective --recompute-modules mlp must be
+    profiled with the same settings: the profiler takes pretrain's flags and refuses what pretrain does."""
+    tool = _load_tool()
+    base = ["--model", "tiny", "--layers-per-stage", "2", "--out", "t.json", "--recompute-granularity", "selective"]
+    args = tool.parse_args(base + ["--recompute-modules", "mlp"])
+    assert args.recompute.recompute_modules == ("mlp",)
+    assert args.recompute.transformer_config_kwargs()["recompute_modules"] == ["mlp"]
+    with pytest.raises(SystemExit):
+        tool.parse_args(base + ["--recompute-modules", "layernorm"])
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--model", "tiny", "--out", "t.json", "--layers-per-stage", "2", "--recompute-modules", "mlp"])

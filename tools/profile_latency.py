@@ -474,6 +474,8 @@ def parse_args(argv=None):
                    help="profile the stage with activation recomputation, as the run will train it (pretrain's flag)")
     p.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     p.add_argument("--recompute-num-layers", type=int, default=None)
+    p.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
+                   help="with --recompute-granularity selective: core_attn and/or mlp (pretrain's flag)")
     p.add_argument("--out", required=True, help="where to write the JSON table")
     args = p.parse_args(argv)
     shape = MODEL_PRESETS[args.model]
@@ -499,7 +501,8 @@ def parse_args(argv=None):
         p.error("--lengths and --budgets must be >= 1")
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
-    args.recompute = RecomputeSettings(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+    args.recompute = RecomputeSettings(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
+                                       tuple(args.recompute_modules) if args.recompute_modules else None)
     try:
         args.recompute.validate()
     except ValueError as e:
