@@ -57,10 +57,10 @@ def launches(tmp_path_factory):
     return dict(reference=reference, pp2=pp2, world4=world4, bench_dir=bench_dir)
 
 
-def test_pipeline_equals_single_process(launches):
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipeline_equals_single_process(launches, pp):
     launches["reference"].check("varied")
-    launches["pp2"].check("varied")
-    launches["world4"].check("varied")
+    launches["pp2" if pp == 2 else "world4"].check("varied")
 
 
 def test_dp2_pp2_equals_single_process(launches):
