@@ -31,6 +31,10 @@ from megatron_sparsebalance.training.evaluate import Score, bucket_of, bucketed,
 from tests import evaluate_cases, pipeline_cases
 from tests.distributed import launch_cases, relayout
 
+# The module's tests share fixtures that take seconds to build: `make test` keeps them on one xdist
+# worker (--dist loadgroup), so each is built once.
+pytestmark = pytest.mark.xdist_group("evaluate")
+
 
 # ---- reductions ------------------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ import pytest
 from tests import pipeline_cases
 from tests.distributed import launch_cases, relayout
 
+# The module's tests share fixtures that take seconds to build: `make test` keeps them on one xdist
+# worker (--dist loadgroup), so each is built once.
+pytestmark = pytest.mark.xdist_group("pipeline")
+
 VARIED = [[130, 64], [448], [64, 64, 200], [321]]  # four micro-batches of unequal packs
 SEED = 7
 # DP=2 x PP=2 with plain gradients and with megatron-core's DDP (its gradients reduced over DP)

@@ -13,6 +13,10 @@ from tests import pretrain_cases
 from tests.pretrain_cases import run_pretrain
 from tests.distributed import launch_cases
 
+# The module's tests share fixtures that take seconds to build: `make test` keeps them on one xdist
+# worker (--dist loadgroup), so each is built once.
+pytestmark = pytest.mark.xdist_group("pretrain")
+
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # samples up to 64 blocks: a budget below a sequence's block count changes which blocks it sees
 RECOMPUTE_BASE = pretrain_cases.TINY + PP2 + ["--train-iters", "4", "--seq-length", "4096"]

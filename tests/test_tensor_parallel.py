@@ -16,6 +16,10 @@ from megatron_sparsebalance.balance.latency import ProfiledLatencyModel
 from tests import tp_cases
 from tests.distributed import run_workers
 
+# The module's tests share fixtures that take seconds to build: `make test` keeps them on one xdist
+# worker (--dist loadgroup), so each is built once.
+pytestmark = pytest.mark.xdist_group("tensor_parallel")
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
