@@ -11,10 +11,10 @@ DEPS := "megatron-core==0.16.1" triton pybind11 numpy ninja pytest pytest-timeou
 NATIVE_SRC := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 # A test that hangs fails after 15 minutes, with every thread's stack, instead of using up CI's time.
 # Two xdist workers, one per core of the CI machine: most tests wait on process start-up or on one
-# rank, so the two cores sit half idle under one worker. Modules whose tests share costly fixtures
-# (a shared launch of processes) are one xdist_group each (loadgroup): built once, on one worker.
-# Tests that time the machine are marked `alone` (tests/conftest.py).
-PYTEST_CPU := -m "not gpu and not multigpu" --timeout=900 -n 2 --dist loadgroup
+# rank, so the two cores sit half idle under one worker. A module's shared launch is built once for
+# both workers (tests/distributed.py: once_per_run); tests that time the machine are marked `alone`
+# (tests/conftest.py).
+PYTEST_CPU := -m "not gpu and not multigpu" --timeout=900 -n 2 --dist load
 
 .PHONY: install demo test test-all test-gpu bench-attention clean
 

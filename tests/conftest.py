@@ -60,7 +60,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "alone: no other xdist worker runs a test meanwhile (it times the machine)")
-    config.addinivalue_line("markers", "xdist_group(name): under --dist loadgroup, the group's tests share one worker")
 
 
 def _machine_locks(config):

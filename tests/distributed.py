@@ -110,3 +110,31 @@ def relayout(tp: int, pp: int) -> None:
 
     parallel_state.destroy_model_parallel()
     init_distributed(tensor_parallel_size=tp, pipeline_parallel_size=pp, backend="gloo")
+
+
+def once_per_run(tmp_path_factory, name: str, build):
+    """``build(root)`` once per pytest run, its (picklable) result shared by every xdist worker.
+
+    ``make test`` runs two workers that hand out tests one by one, so both may reach the tests of
+    one module: the first to need a shared launch runs it, the other waits for it and reads the
+    result (pytest-xdist's own grouping of tests by mark does not work on pytest 9)."""
+    import fcntl
+    import pickle
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # each worker's base is a folder of the run's own
+    root, result = base / f"once-{name}", base / f"once-{name}.pkl"
+    with open(base / f"once-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if result.exists():
+                with open(result, "rb") as f:
+                    return pickle.load(f)
+            root.mkdir()
+            value = build(root)
+            with open(result, "wb") as f:
+                pickle.dump(value, f)
+            return value
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

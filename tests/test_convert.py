@@ -22,10 +22,6 @@ from tests.convert_cases import FP32, pipelined_logits
 from tests.distributed import run_workers
 from tools.convert_checkpoint import main as cli
 
-# The module's tests share fixtures that take seconds to build: `make test` keeps them on one xdist
-# worker (--dist loadgroup), so each is built once.
-pytestmark = pytest.mark.xdist_group("convert")
-
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, rms_norm_eps=1e-6)
 # vocab 300 is padded to 384 on the megatron side; the Llama case has head_dim 32 != hidden / heads.

@@ -29,11 +29,7 @@ from megatron_sparsebalance.data.synthetic import (
 )
 from megatron_sparsebalance.training.evaluate import Score, bucket_of, bucketed, summarize
 from tests import evaluate_cases, pipeline_cases
-from tests.distributed import launch_cases, relayout
-
-# The module's tests share fixtures that take seconds to build: `make test` keeps them on one xdist
-# worker (--dist loadgroup), so each is built once.
-pytestmark = pytest.mark.xdist_group("evaluate")
+from tests.distributed import launch_cases, once_per_run, relayout
 
 
 # ---- reductions ------------------------------------------------------------------------------
@@ -294,12 +290,15 @@ FORWARD_ONLY_LENGTHS = [[200, 90], [300], [64, 64, 100]]
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "evaluate-layouts", launch_layouts)
+
+
+def launch_layouts(root):
     """The module's launches: one process (the forward-only reference; train 2 iterations with
     evaluation and a save, and without evaluation), then two ranks (forward_only at PP=2; the saved
     weights evaluated at PP=2 and, regrouped, at DP=2 with --train-iters 0)."""
     from tests.pretrain_cases import run
 
-    root = tmp_path_factory.mktemp("layouts")
     p = {name: str(root / name) for name in ("w.pt", "ref.pt", "ck", "a", "tb", "a.json", "plain.json", "a.stdout",
                                              "pp2", "dp2")}
     base = evaluate_cases.RETRIEVAL

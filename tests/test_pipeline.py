@@ -8,11 +8,7 @@ import json
 import pytest
 
 from tests import pipeline_cases
-from tests.distributed import launch_cases, relayout
-
-# The module's tests share fixtures that take seconds to build: `make test` keeps them on one xdist
-# worker (--dist loadgroup), so each is built once.
-pytestmark = pytest.mark.xdist_group("pipeline")
+from tests.distributed import launch_cases, once_per_run, relayout
 
 VARIED = [[130, 64], [448], [64, 64, 200], [321]]  # four micro-batches of unequal packs
 SEED = 7
@@ -26,7 +22,10 @@ EDGES = {"one-micro-batch": [[300]], "fewer-than-stages": [[64], [900], [65]],
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline")
+    return once_per_run(tmp_path_factory, "pipeline", launch_all)
+
+
+def launch_all(root):
     refs = {}  # name -> (weights, reference, lengths per DP rank)
 
     def ref(name, lengths_per_dp):

@@ -11,11 +11,7 @@ import pytest
 
 from tests import pretrain_cases
 from tests.pretrain_cases import run_pretrain
-from tests.distributed import launch_cases
-
-# The module's tests share fixtures that take seconds to build: `make test` keeps them on one xdist
-# worker (--dist loadgroup), so each is built once.
-pytestmark = pytest.mark.xdist_group("pretrain")
+from tests.distributed import launch_cases, once_per_run
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # samples up to 64 blocks: a budget below a sequence's block count changes which blocks it sees
@@ -25,10 +21,13 @@ RECOMPUTE_FLAGS = ["--recompute-granularity", "full", "--recompute-method", "uni
 
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "pretrain-pp2", launch_pp2_runs)
+
+
+def launch_pp2_runs(root):
     """Every PP=2 run of the module in one launch; ``root / name`` holds a run's logs, ``root /
     f"{name}.json"`` its rows. The resume runs last, after the 20 straight iterations, so nothing
     the process kept from the run it resumes can stand in for the checkpoint."""
-    root = tmp_path_factory.mktemp("pp2")
     ck = str(root / "ck")
 
     def run(name, argv):

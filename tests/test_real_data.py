@@ -15,10 +15,6 @@ from megatron_sparsebalance.data.documents import HEADER, build_documents, packa
 from megatron_sparsebalance.data.mixes import mix_summary, plan_mix, write_histogram, write_mix
 from tests.tiny_gguf import tiny_hf_dir
 
-# The module's tests share fixtures that take seconds to build: `make test` keeps them on one xdist
-# worker (--dist loadgroup), so each is built once.
-pytestmark = pytest.mark.xdist_group("real_data")
-
 
 def _write(path, text):
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -16,10 +16,6 @@ import torch
 from tests.tiny_gguf import random_llama, write_tiny_llama_gguf
 from tools.get_model import main as get_model_cli
 
-# The module's tests share fixtures that take seconds to build: `make test` keeps them on one xdist
-# worker (--dist loadgroup), so each is built once.
-pytestmark = pytest.mark.xdist_group("real_model")
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, megatron_world):
