@@ -1,9 +1,15 @@
-"""Run a test body in real processes over gloo, with a timeout so a deadlock fails instead of hanging."""
+"""Run test bodies in real processes over gloo, with a timeout so a deadlock fails instead of hanging:
+one body per launch, several named bodies in one shared launch, and a module's shared launch built
+once per pytest run however many xdist workers reach it."""
 from __future__ import annotations
 
+import fcntl
 import os
+import pickle
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -118,21 +124,18 @@ def once_per_run(tmp_path_factory, name: str, build):
     ``make test`` runs two workers that hand out tests one by one, so both may reach the tests of
     one module: the first to need a shared launch runs it, the other waits for it and reads the
     result (pytest-xdist's own grouping of tests by mark does not work on pytest 9)."""
-    import fcntl
-    import pickle
-
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # each worker's base is a folder of the run's own
-    root, result = base / f"once-{name}", base / f"once-{name}.pkl"
+        base = base.parent  # an xdist worker's temporary folder lies in the run's, which both share
+    result = base / f"once-{name}.pkl"
     with open(base / f"once-{name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if result.exists():
                 with open(result, "rb") as f:
                     return pickle.load(f)
-            root.mkdir()
-            value = build(root)
+            # a folder per build: a build that failed leaves the other worker a clean start
+            value = build(Path(tempfile.mkdtemp(prefix=f"once-{name}-", dir=base)))
             with open(result, "wb") as f:
                 pickle.dump(value, f)
             return value
