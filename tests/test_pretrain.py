@@ -1,7 +1,8 @@
 """The pretrain entry point: training, exact resume, checkpoints, logs, and errors on bad input.
 
-The PP=2 runs of the module (loss and logs, recomputation, the resume) share one launch of two
-ranks: starting the processes costs more than these tiny runs."""
+The PP=2 runs of the module (loss and logs, recomputation, the runs the resume is checked against)
+share one launch of two ranks: starting the processes costs more than these tiny runs. The resume
+itself starts fresh processes, as after a real stop."""
 import json
 import math
 import os
@@ -25,9 +26,9 @@ def pp2(tmp_path_factory):
 
 
 def launch_pp2_runs(root):
-    """Every PP=2 run of the module in one launch; ``root / name`` holds a run's logs, ``root /
-    f"{name}.json"`` its rows. The resume runs last, after the 20 straight iterations, so nothing
-    the process kept from the run it resumes can stand in for the checkpoint."""
+    """Every PP=2 run of the module in one launch, but the resume: in a launch of its own, fresh
+    processes as after a real stop. ``root / name`` holds a run's logs, ``root / f"{name}.json"``
+    its rows."""
     ck = str(root / "ck")
 
     def run(name, argv):
@@ -40,13 +41,14 @@ def launch_pp2_runs(root):
         run("recomputed", RECOMPUTE_BASE + RECOMPUTE_FLAGS),
         run("first", pretrain_cases.TINY + PP2 + ["--train-iters", "20", "--save", ck, "--exit-interval", "10"]),
         run("straight", pretrain_cases.TINY + PP2 + ["--train-iters", "20"]),
-        run("second", pretrain_cases.TINY + PP2 + ["--train-iters", "20", "--load", ck]),
     ], world=2, pp=2, done_dir=str(root / "done"), timeout_s=400)
-    return launch, root
+    resumed = launch_cases([run("second", pretrain_cases.TINY + PP2 + ["--train-iters", "20", "--load", ck])],
+                           world=2, pp=2, done_dir=str(root / "done_resumed"))
+    return launch, resumed, root
 
 
 def test_pp2_loss_falls_and_logs_parse(pp2):
-    launch, root = pp2
+    launch, _, root = pp2
     launch.check("falls")
     out, tb, log_dir = root / "falls.json", str(root / "tb"), root / "falls"
     rows = json.load(open(out))
@@ -71,7 +73,7 @@ def test_recomputed_layers_route_with_the_micro_batch_budget(pp2):
     """Full activation recomputation runs each layer's forward again inside backward: with the
     schedule's budget scope re-opened there, training is the same as without recomputation, loss
     for loss, while DST moves budgets away from --moba-topk (else the test would prove nothing)."""
-    launch, root = pp2
+    launch, _, root = pp2
     launch.check("plain")
     launch.check("recomputed")
     plain, recomputed = root / "plain.json", root / "recomputed.json"
@@ -99,9 +101,10 @@ def test_iteration_line_parses():
 
 def test_resume_is_bitwise_identical(pp2):
     """20 iterations straight against 10, save, stop, resume, 10 more: the same losses, bit for bit."""
-    launch, root = pp2
-    for name in ("first", "straight", "second"):
-        launch.check(name)
+    launch, resumed, root = pp2
+    launch.check("first")
+    launch.check("straight")
+    resumed.check("second")
     straight, first, second = (root / f"{n}.json" for n in ("straight", "first", "second"))
     ck = str(root / "ck")
     assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read().strip() == "10"
