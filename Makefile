@@ -7,10 +7,14 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # torch==2.13.0 is a CPU wheel on the CPU machines; an unpinned torch drags GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
-DEPS := "megatron-core==0.16.1" triton pybind11 numpy ninja pytest pytest-timeout psutil transformers tokenizers tensorboard matplotlib gguf accelerate
+DEPS := "megatron-core==0.16.1" triton pybind11 numpy ninja pytest pytest-timeout pytest-xdist psutil transformers tokenizers tensorboard matplotlib gguf accelerate
 NATIVE_SRC := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 # A test that hangs fails after 15 minutes, with every thread's stack, instead of using up CI's time.
-PYTEST_CPU := -m "not gpu and not multigpu" --timeout=900
+# Two xdist workers, one per core of the CI machine: most tests wait on process start-up or on one
+# rank, so the two cores sit half idle under one worker. A module's shared launch is built once for
+# both workers (tests/distributed.py: once_per_run); tests that time the machine are marked `alone`
+# (tests/conftest.py).
+PYTEST_CPU := -m "not gpu and not multigpu" --timeout=900 -n 2 --dist load
 
 .PHONY: install demo test test-all test-gpu bench-attention clean
 
@@ -29,6 +33,7 @@ demo: install
 
 # The CPU suite (CI). pytest exits 5 when it collected no test: that is a failure here.
 test: install
+	$(VPY) -c "import xdist" 2>/dev/null || $(VPY) -m pip install -q pytest-xdist  # a venv from before it was in DEPS
 	$(VPY) -m pytest -q $(PYTEST_CPU) tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests"; exit 1; fi; exit $$rc
 

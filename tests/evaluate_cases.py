@@ -42,3 +42,14 @@ def forward_only_pipelined(weights_path, ref_path, lengths, seed, budget):
     assert m is not None and all(t > 0 for t in m.micro_batch_ms)
     assert all(s.kind == "F" for r in m.records for s in r.spans)  # forward spans only
     assert len(m.records[0].spans) == len(batches)
+
+
+def run_printing_to(argv, rows_path, stdout_path):
+    """``pretrain_cases.run`` with what this rank prints kept in ``stdout_path``: a launch shared
+    by several tests runs in a fixture, where no test's captured output can see it."""
+    import contextlib
+
+    from tests.pretrain_cases import run
+
+    with open(stdout_path, "a") as f, contextlib.redirect_stdout(f):
+        run(argv, rows_path)

@@ -3,10 +3,13 @@ on this machine, DST with the mean anchor lowers the imbalance of a long-tailed 
 PP=4 real processes, against the fixed budget (--dst-anchor none)."""
 import json
 
+import pytest
+
 from tests import pipeline_cases
 from tests.distributed import run_workers
 
 
+@pytest.mark.alone  # the table and the imbalance are timings of this machine: no other test beside them
 def test_dst_mean_lowers_measured_imbalance(tmp_path):
     table, out = str(tmp_path / "table.json"), str(tmp_path / "claim.json")
     run_workers(pipeline_cases.profile_cpu_stage, world=1, args=(table,))

@@ -29,7 +29,7 @@ from megatron_sparsebalance.data.synthetic import (
 )
 from megatron_sparsebalance.training.evaluate import Score, bucket_of, bucketed, summarize
 from tests import evaluate_cases, pipeline_cases
-from tests.distributed import run_workers
+from tests.distributed import launch_cases, once_per_run, relayout
 
 
 # ---- reductions ------------------------------------------------------------------------------
@@ -285,12 +285,50 @@ def test_validation_line_is_megatrons():
 # ---- forward_only through the pipeline, and the pretrain loop -------------------------------
 
 
+FORWARD_ONLY_LENGTHS = [[200, 90], [300], [64, 64, 100]]
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "evaluate-layouts", launch_layouts)
+
+
+def launch_layouts(root):
+    """The module's launches: one process (the forward-only reference; train 2 iterations with
+    evaluation and a save, and without evaluation), then two ranks (forward_only at PP=2; the saved
+    weights evaluated at PP=2 and, regrouped, at DP=2 with --train-iters 0)."""
+    from tests.pretrain_cases import run
+
+    p = {name: str(root / name) for name in ("w.pt", "ref.pt", "ck", "a", "tb", "a.json", "plain.json", "a.stdout",
+                                             "pp2", "dp2")}
+    base = evaluate_cases.RETRIEVAL
+    one = launch_cases([
+        ("reference", pipeline_cases.reference, (p["w.pt"], p["ref.pt"], [FORWARD_ONLY_LENGTHS], 5)),
+        ("a", evaluate_cases.run_printing_to, (base + ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "2",
+                                                       "--save", p["ck"], "--log-dir", p["a"], "--tensorboard-dir",
+                                                       p["tb"]], p["a.json"], p["a.stdout"])),
+        ("plain", run, (base + ["--train-iters", "2"], p["plain.json"])),
+    ], world=1, done_dir=str(root / "done1"))
+
+    def evaluated(name, pp):
+        return name, run, (base + ["--train-iters", "0", "--eval-interval", "100", "--eval-iters", "2",
+                                   "--pretrained-checkpoint", p["ck"], "--log-dir", p[name],
+                                   "--pipeline-model-parallel-size", str(pp)],)
+
+    two = launch_cases([
+        ("forward-only", evaluate_cases.forward_only_pipelined, (p["w.pt"], p["ref.pt"], FORWARD_ONLY_LENGTHS, 5, 2)),
+        evaluated("pp2", 2),
+        ("regroup", relayout, (1, 1)),
+        evaluated("dp2", 1),
+    ], world=2, pp=2, done_dir=str(root / "done2"))
+    return one, two, p
+
+
 @pytest.mark.slow
-def test_forward_only_pp2_equals_single_process(tmp_path):
-    weights, ref = str(tmp_path / "w.pt"), str(tmp_path / "ref.pt")
-    lengths = [[200, 90], [300], [64, 64, 100]]
-    run_workers(pipeline_cases.reference, world=1, args=(weights, ref, [lengths], 5))
-    run_workers(evaluate_cases.forward_only_pipelined, world=2, pp=2, args=(weights, ref, lengths, 5, 2))
+def test_forward_only_pp2_equals_single_process(layouts):
+    one, two, _ = layouts
+    one.check("reference")
+    two.check("forward-only")
 
 
 def _eval_rows(log_dir):
@@ -299,25 +337,21 @@ def _eval_rows(log_dir):
 
 
 @pytest.mark.slow
-def test_pretrain_evaluates_the_same_under_any_layout(tmp_path, capfd):
+def test_pretrain_evaluates_the_same_under_any_layout(layouts):
     """Train 2 iterations (PP=1) and evaluate; the saved weights evaluated under PP=2 and under DP=2
     (--train-iters 0: the evaluation at the end) give the same numbers; evaluating leaves the
     training losses bit for bit as they are without it."""
-    from tests.pretrain_cases import run
-
-    base = evaluate_cases.RETRIEVAL
-    ck, a, tb = str(tmp_path / "ck"), str(tmp_path / "a"), str(tmp_path / "tb")
-    rows_a, rows_plain = str(tmp_path / "a.json"), str(tmp_path / "plain.json")
-    run_workers(run, world=1, args=(base + ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "2", "--save", ck,
-                                            "--log-dir", a, "--tensorboard-dir", tb], rows_a))
-    run_workers(run, world=1, args=(base + ["--train-iters", "2"], rows_plain))
+    one, two, p = layouts
+    one.check("a")
+    one.check("plain")
+    a, tb, rows_a, rows_plain = p["a"], p["tb"], p["a.json"], p["plain.json"]
     assert [r["loss"] for r in json.load(open(rows_a))] == [r["loss"] for r in json.load(open(rows_plain))]
     (ref,) = _eval_rows(a)  # iteration 2 is both an interval and the end: evaluated once
     assert ref["iteration"] == 2 and ref["samples"] == 8 and ref["budget"] == 4
     assert ref["questions"] >= 8 and ref["target_tokens"] == ref["questions"] * RETRIEVAL_VALUE_TOKENS
     assert sum(c["n"] for c in ref["acc_by_length"].values()) == ref["questions"]
     assert sum(c["n"] for c in ref["acc_by_distance"].values()) == ref["questions"]
-    assert "validation loss at iteration 2 | lm loss value:" in capfd.readouterr().out
+    assert "validation loss at iteration 2 | lm loss value:" in open(p["a.stdout"]).read()
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -326,11 +360,10 @@ def test_pretrain_evaluates_the_same_under_any_layout(tmp_path, capfd):
     assert [e.value for e in acc.Scalars("eval/loss")] == pytest.approx([ref["loss"]])
     assert any(t.startswith("eval/acc_by_distance/") for t in acc.Tags()["scalars"])
 
-    for name, world, pp in (("pp2", 2, 2), ("dp2", 2, 1)):
-        out = str(tmp_path / name)
-        run_workers(run, world=world, pp=pp, args=(base + ["--train-iters", "0", "--eval-interval", "100", "--eval-iters",
-                                                           "2", "--pretrained-checkpoint", ck, "--log-dir", out,
-                                                           "--pipeline-model-parallel-size", str(pp)],))
+    two.check("regroup")
+    for name in ("pp2", "dp2"):
+        two.check(name)
+        out = p[name]
         (row,) = _eval_rows(out)
         assert row["iteration"] == 0, name
         assert row["loss"] == pytest.approx(ref["loss"], rel=1e-5), name

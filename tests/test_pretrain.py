@@ -1,4 +1,8 @@
-"""The pretrain entry point: training, exact resume, checkpoints, logs, and errors on bad input."""
+"""The pretrain entry point: training, exact resume, checkpoints, logs, and errors on bad input.
+
+The PP=2 runs of the module (loss and logs, recomputation, the runs the resume is checked against)
+share one launch of two ranks: starting the processes costs more than these tiny runs. The resume
+itself starts fresh processes, as after a real stop."""
 import json
 import math
 import os
@@ -8,21 +12,51 @@ import pytest
 
 from tests import pretrain_cases
 from tests.pretrain_cases import run_pretrain
-from tests.distributed import run_workers
+from tests.distributed import launch_cases, once_per_run
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
+# samples up to 64 blocks: a budget below a sequence's block count changes which blocks it sees
+RECOMPUTE_BASE = pretrain_cases.TINY + PP2 + ["--train-iters", "4", "--seq-length", "4096"]
+RECOMPUTE_FLAGS = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
-def test_pp2_loss_falls_and_logs_parse(tmp_path):
-    out, tb = str(tmp_path / "rows.json"), str(tmp_path / "tb")
-    argv = pretrain_cases.TINY + PP2 + ["--train-iters", "10", "--tensorboard-dir", tb, "--log-dir", str(tmp_path)]
-    run_workers(pretrain_cases.run, world=2, pp=2, args=(argv, out))
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "pretrain-pp2", launch_pp2_runs)
+
+
+def launch_pp2_runs(root):
+    """Every PP=2 run of the module in one launch, but the resume: in a launch of its own, fresh
+    processes as after a real stop. ``root / name`` holds a run's logs, ``root / f"{name}.json"``
+    its rows."""
+    ck = str(root / "ck")
+
+    def run(name, argv):
+        return name, pretrain_cases.run, (argv, str(root / f"{name}.json"))
+
+    launch = launch_cases([
+        run("falls", pretrain_cases.TINY + PP2 + ["--train-iters", "10", "--tensorboard-dir", str(root / "tb"),
+                                                  "--log-dir", str(root / "falls")]),
+        run("plain", RECOMPUTE_BASE),
+        run("recomputed", RECOMPUTE_BASE + RECOMPUTE_FLAGS),
+        run("first", pretrain_cases.TINY + PP2 + ["--train-iters", "20", "--save", ck, "--exit-interval", "10"]),
+        run("straight", pretrain_cases.TINY + PP2 + ["--train-iters", "20"]),
+    ], world=2, pp=2, done_dir=str(root / "done"), timeout_s=400)
+    resumed = launch_cases([run("second", pretrain_cases.TINY + PP2 + ["--train-iters", "20", "--load", ck])],
+                           world=2, pp=2, done_dir=str(root / "done_resumed"))
+    return launch, resumed, root
+
+
+def test_pp2_loss_falls_and_logs_parse(pp2):
+    launch, _, root = pp2
+    launch.check("falls")
+    out, tb, log_dir = root / "falls.json", str(root / "tb"), root / "falls"
     rows = json.load(open(out))
     losses = [r["loss"] for r in rows]
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses)
     assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
     assert all(r["imbalance"] >= 1.0 and 0.0 <= r["bubble"] < 1.0 and r["tflops_per_gpu"] > 0 for r in rows)
-    config = json.load(open(tmp_path / "config.json"))
+    config = json.load(open(log_dir / "config.json"))
     assert config["parallel"]["pipeline_model_parallel_size"] == 2 and config["dst"]["dst_anchor"] == "mean"
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -35,16 +69,14 @@ def test_pp2_loss_falls_and_logs_parse(tmp_path):
     assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
 
 
-def test_recomputed_layers_route_with_the_micro_batch_budget(tmp_path):
+def test_recomputed_layers_route_with_the_micro_batch_budget(pp2):
     """Full activation recomputation runs each layer's forward again inside backward: with the
     schedule's budget scope re-opened there, training is the same as without recomputation, loss
     for loss, while DST moves budgets away from --moba-topk (else the test would prove nothing)."""
-    # samples up to 64 blocks: a budget below a sequence's block count changes which blocks it sees
-    base = pretrain_cases.TINY + PP2 + ["--train-iters", "4", "--seq-length", "4096"]
-    plain, recomputed = str(tmp_path / "plain.json"), str(tmp_path / "recomputed.json")
-    run_workers(pretrain_cases.run, world=2, pp=2, args=(base, plain))
-    run_workers(pretrain_cases.run, world=2, pp=2, args=(base + ["--recompute-granularity", "full", "--recompute-method",
-                                                                 "uniform", "--recompute-num-layers", "1"], recomputed))
+    launch, _, root = pp2
+    launch.check("plain")
+    launch.check("recomputed")
+    plain, recomputed = root / "plain.json", root / "recomputed.json"
     a, b = json.load(open(plain)), json.load(open(recomputed))
     assert any(r["mean_budget"] != 4 for r in a), [r["mean_budget"] for r in a]
     assert [r["mean_budget"] for r in b] == [r["mean_budget"] for r in a]
@@ -67,24 +99,23 @@ def test_iteration_line_parses():
     assert "SAB/DST planning (ms): 1.50/0.25" in line
 
 
-def test_resume_is_bitwise_identical(tmp_path):
+def test_resume_is_bitwise_identical(pp2):
     """20 iterations straight against 10, save, stop, resume, 10 more: the same losses, bit for bit."""
-    base = pretrain_cases.TINY + PP2
-    straight, first, second = (str(tmp_path / n) for n in ("straight.json", "first.json", "second.json"))
-    run_workers(pretrain_cases.run, world=2, pp=2, args=(base + ["--train-iters", "20"], straight))
-    ck = str(tmp_path / "ck")
-    run_workers(pretrain_cases.run, world=2, pp=2,
-                args=(base + ["--train-iters", "20", "--save", ck, "--exit-interval", "10"], first))
+    launch, resumed, root = pp2
+    launch.check("first")
+    launch.check("straight")
+    resumed.check("second")
+    straight, first, second = (root / f"{n}.json" for n in ("straight", "first", "second"))
+    ck = str(root / "ck")
     assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read().strip() == "10"
-    run_workers(pretrain_cases.run, world=2, pp=2, args=(base + ["--train-iters", "20", "--load", ck], second))
     a = [r["loss"] for r in json.load(open(straight))]
     b = [r["loss"] for r in json.load(open(first))] + [r["loss"] for r in json.load(open(second))]
     assert len(a) == len(b) == 20
     assert a == b  # bitwise: same data order, budgets, optimizer state and RNG after the resume
 
 
-def test_interrupted_checkpoint_is_not_the_latest(tmp_path):
-    run_workers(pretrain_cases.interrupted_save, world=1, args=(str(tmp_path),))
+def test_interrupted_checkpoint_is_not_the_latest(gloo_world_of_one, tmp_path):
+    pretrain_cases.interrupted_save(str(tmp_path))
 
 
 def test_killed_run_keeps_the_metrics_of_its_iterations(tmp_path):
@@ -142,13 +173,15 @@ def test_bad_flags_name_the_flag(extra, match, capsys, monkeypatch):
     assert rc == 2 and re.search(match, err), err
 
 
-def test_missing_data_path_and_tokenizer(tmp_path):
+def test_missing_data_path_and_tokenizer(tmp_path, capsys, monkeypatch):
+    """Refused by validation, before any process group: in this process (the CLI's exit path is
+    the other run_pretrain tests')."""
     no_mock = [a for a in pretrain_cases.TINY if a != "--mock-data"]
-    rc, err = run_pretrain(no_mock + ["--train-iters", "1"])
+    rc, err = pretrain_cases.refused_in_process(no_mock + ["--train-iters", "1"], capsys, monkeypatch)
     assert rc == 2 and "--data-path is required" in err, err
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "hello"}\n')
-    rc, err = run_pretrain(no_mock + ["--train-iters", "1", "--data-path", str(data)])
+    rc, err = pretrain_cases.refused_in_process(no_mock + ["--train-iters", "1", "--data-path", str(data)], capsys, monkeypatch)
     assert rc == 2 and "--tokenizer-model" in err, err
 
 

@@ -14,12 +14,16 @@ import pytest
 
 from megatron_sparsebalance.balance.latency import ProfiledLatencyModel
 from tests import tp_cases
-from tests.distributed import run_workers
+from tests.distributed import once_per_run, run_workers
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("tp"))
+    return once_per_run(tmp_path_factory, "tp-reference", launch_reference)
+
+
+def launch_reference(root):
+    root = str(root)
     run_workers(tp_cases.reference, world=1, args=(root, 7))
     return root
 
