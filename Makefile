@@ -16,7 +16,7 @@ NATIVE_SRC := setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 # (tests/conftest.py).
 PYTEST_CPU := -m "not gpu and not multigpu" --timeout=900 -n 2 --dist load
 
-.PHONY: install demo test test-all test-gpu bench-attention clean
+.PHONY: install demo test test-all test-gpu test-gpu-parallel bench-attention clean
 
 $(STAMP): $(NATIVE_SRC)
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test-gpu:
 	MSB_CUDA=1 MAX_JOBS=$${MAX_JOBS:-16} $(PYTHON) setup.py -q build_ext --inplace
 	$(PYTHON) -c "from megatron_sparsebalance.compat import MEGATRON_CORE_VERSION, HAVE_MEGATRON_TRAINING as t; print(f'make test-gpu: megatron-core {MEGATRON_CORE_VERSION}' + (' with megatron.training' if t else ''))"
 	$(PYTHON) -m pytest -q -m "gpu" tests
+
+# The same on a 4-GPU machine in three concurrent groups (tools/test_gpu_parallel.sh).
+test-gpu-parallel:
+	MSB_CUDA=1 MAX_JOBS=$${MAX_JOBS:-16} $(PYTHON) setup.py -q build_ext --inplace
+	PYTHON=$(PYTHON) bash tools/test_gpu_parallel.sh
 
 bench-attention:
 	MSB_CUDA=1 MAX_JOBS=$${MAX_JOBS:-16} $(PYTHON) setup.py -q build_ext --inplace
