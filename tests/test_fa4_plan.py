@@ -208,6 +208,9 @@ def test_auto_follows_the_measured_order_and_deterministic_mode_drops_fa4():
     assert order_from_table(TABLE, "unmeasured GPU", ("triton", "cuda", "torch")) == ("triton", "cuda", "torch")
     # the extension lacks the kernels cuda was measured with: it goes behind triton
     assert order_from_table(TABLE, "GPU Y", builtin, cuda_as_measured=False) == ("triton", "cuda", "torch")
+    # ... also where triton was not measured there (an H100 measured against fa4 alone)
+    assert order_from_table({"H": {"order": ["cuda", "fa4"]}}, "H", ("triton", "cuda", "torch"),
+                            cuda_as_measured=False) == ("fa4", "triton", "cuda", "torch")
 
 
 def test_auto_never_resolves_to_fa4_in_deterministic_mode_on_the_cpu():

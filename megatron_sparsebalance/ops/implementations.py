@@ -63,10 +63,12 @@ def order_from_table(table: dict, gpu: Optional[str], builtin: tuple, determinis
     non-deterministic implementations.
     """
     measured = list(table.get(gpu, {}).get("order", ()))
-    if not cuda_as_measured and "cuda" in measured and "triton" in measured:
-        measured.remove("cuda")
-        measured.insert(measured.index("triton") + 1, "cuda")
     order = measured + [name for name in builtin if name not in measured]
+    # triton may be in the built-in order only (a GPU measured against fa4 alone): cuda's measured
+    # rank was its wgmma kernels', not the mma.sync ones that run in their place
+    if not cuda_as_measured and "cuda" in measured and "triton" in order:
+        order.remove("cuda")
+        order.insert(order.index("triton") + 1, "cuda")
     if deterministic:
         order = [name for name in order if name not in NON_DETERMINISTIC]
     return tuple(order)
