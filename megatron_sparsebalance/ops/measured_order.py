@@ -11,7 +11,7 @@ MEASURED = {
         'cases': 8,
         'geomean_ms': {'cuda': 7.2118, 'fa4': 9.0372},
         'order': ['cuda', 'fa4'],
-        'source': 'benchmarks/results/attention_h100_fa4.json',
+        'source': 'benchmarks/results/attention_h100.json',
     },
     'NVIDIA H200': {
         'cases': 24,
