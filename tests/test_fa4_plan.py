@@ -26,7 +26,7 @@ from megatron_sparsebalance.ops.implementations import (
     unavailable_reason,
 )
 from megatron_sparsebalance.ops.layout import BlockLayout
-from megatron_sparsebalance.ops.naive import block_mask_of_sequence, sparse_attention_naive
+from megatron_sparsebalance.ops.naive import sparse_attention_naive, token_mask_of_sequence
 from megatron_sparsebalance.ops.router import block_scores, select_blocks
 
 PACKS = {"97": [97], "256": [256], "varlen": [300, 97, 530, 64, 1]}
@@ -50,15 +50,10 @@ def _our_token_mask(route, group):
     lay = route.layout
     T = lay.num_tokens
     mask = torch.zeros(T, T, dtype=torch.bool)
-    B = lay.block_size
     for s in range(lay.num_seqs):
         t0, t1 = int(lay.cu_seqlens[s]), int(lay.cu_seqlens[s + 1])
-        L = t1 - t0
-        if L == 0:
-            continue
-        blocks = block_mask_of_sequence(route, s)[group]
-        tok = blocks.repeat_interleave(B, 0).repeat_interleave(B, 1)[:L, :L]
-        mask[t0:t1, t0:t1] = tok & torch.ones(L, L, dtype=torch.bool).tril()
+        if t1 > t0:
+            mask[t0:t1, t0:t1] = token_mask_of_sequence(route, s)[group]
     return mask
 
 

@@ -27,6 +27,16 @@ def block_mask_of_sequence(route: BlockRoute, seq: int) -> torch.Tensor:
     return mask[..., :nb]
 
 
+def token_mask_of_sequence(route: BlockRoute, seq: int) -> torch.Tensor:
+    """``[G, L, L]`` bool: query token ``i`` of sequence ``seq`` reads its key token ``j`` (the
+    selected blocks, token by token, under the causal rule)."""
+    lay = route.layout
+    B = lay.block_size
+    L = int(lay.cu_seqlens[seq + 1]) - int(lay.cu_seqlens[seq])
+    tmask = block_mask_of_sequence(route, seq).repeat_interleave(B, 1).repeat_interleave(B, 2)[:, :L, :L]
+    return tmask & torch.ones(L, L, dtype=torch.bool, device=tmask.device).tril()
+
+
 def sparse_attention_naive(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: BlockRoute, softmax_scale: float,
     upcast: bool = False,
@@ -44,16 +54,11 @@ def sparse_attention_naive(
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
     outs = []
-    B = lay.block_size
     for s in range(lay.num_seqs):
         t0, t1 = int(lay.cu_seqlens[s]), int(lay.cu_seqlens[s + 1])
-        L = t1 - t0
-        if L == 0:
+        if t1 == t0:
             continue
-        bmask = block_mask_of_sequence(route, s)  # [G, nb, nb]
-        tmask = bmask.repeat_interleave(B, 1).repeat_interleave(B, 2)[:, :L, :L]
-        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-        allowed = (tmask & causal).repeat_interleave(HQ // G, 0)  # [HQ, L, L]
+        allowed = token_mask_of_sequence(route, s).repeat_interleave(HQ // G, 0)  # [HQ, L, L]
         qs = q[t0:t1].transpose(0, 1)  # [HQ, L, D]
         ks = k[t0:t1].transpose(0, 1).repeat_interleave(HQ // G, 0)
         vs = v[t0:t1].transpose(0, 1).repeat_interleave(HQ // G, 0)
