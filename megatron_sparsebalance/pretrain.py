@@ -278,15 +278,13 @@ class _Sigterm:
 # ---- the run -------------------------------------------------------------------------------
 
 
-def out_of_memory_advice(cfg: SparseBalanceConfig, trainer: Trainer, iteration: int, lengths) -> str:
+def out_of_memory_advice(cfg: SparseBalanceConfig, shape, iteration: int, lengths) -> str:
     """What ran out of memory, and the flags that lower it: a stage's peak is its in-flight
     micro-batches' activations (1F1B keeps ``PP - stage`` of them), plus the output layer's logits
     on the last stage, and neither is visible from the flags alone."""
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    layers = sum(1 for m in trainer.model.modules() if isinstance(m, TransformerLayer))
+    layers = cfg.pipeline_layer_split(shape)[stage]
     micro_batches = lengths[parallel_state.get_data_parallel_rank()]
     largest = max((sum(mb) for mb in micro_batches), default=0)
     what = f"{layers} layers" + (" and the output layer" if stage == pp - 1 else "")
@@ -424,7 +422,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
             except (torch.OutOfMemoryError, dist.DistBackendError) as exc:
                 if isinstance(exc, dist.DistBackendError) and "out of memory" not in str(exc):
                     raise
-                raise torch.OutOfMemoryError(out_of_memory_advice(cfg, trainer, iteration, lengths)) from exc
+                raise torch.OutOfMemoryError(out_of_memory_advice(cfg, shape, iteration, lengths)) from exc
             elapsed_ms = (time.perf_counter() - t0) * 1e3
             m = step.metrics
             if m is not None and cfg.sparse.sparse_attention:  # dense layers report no budgets for SAB's estimator
