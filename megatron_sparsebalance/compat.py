@@ -14,6 +14,9 @@ What changed between them, and where it matters to us:
 - the distributed optimizer's checkpoint layout: 0.16's default (flattened ranges) is refused
   by 0.19's ``ShardedTensor``; 0.17+ saves it resharding over DP only
   (:func:`optimizer_sharded_state_dict`, :func:`optimizer_state_reshards_over_tp_pp`).
+- Not a version difference but megatron-core's own, 0.16 to 0.19: its distributed optimizer over
+  torch's Adam (no Transformer Engine, no apex) cannot load a checkpoint into a fresh optimizer, and
+  after loading holds a wrong, shared ``step`` (:func:`prepare_optimizer_for_load`, :func:`finish_optimizer_load`).
 - ``initialize_model_parallel`` gained positional parameters after ``expert_model_parallel_size``
   in 0.19: :func:`initialize_model_parallel` passes keywords only.
 - ``megatron.training`` exists from 0.19's wheel on (:data:`HAVE_MEGATRON_TRAINING`); its
@@ -31,6 +34,7 @@ import importlib.util
 import queue
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 from megatron.core import package_info
 
 MEGATRON_CORE_VERSION: str = package_info.__version__
@@ -131,6 +135,82 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading
                                         metadata={"distrib_optim_sharding_type": "dp_reshardable"})
 
 
+def _torch_adams_of_distributed_optimizers(optimizer) -> list:
+    """The inner ``torch.optim.Adam``/``AdamW`` of each distributed optimizer in ``optimizer``, where
+    megatron-core runs without Transformer Engine and apex (their fused Adams keep ``step`` per group)."""
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if getattr(dopt, "HAVE_APEX_OR_TE", True):
+        return []
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [p.optimizer for p in parts if isinstance(p, dopt.DistributedOptimizer)
+            and isinstance(p.optimizer, (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def fill_empty_adam_state(adam) -> None:
+    """Give every parameter of ``adam`` (torch's Adam/AdamW) the state its first step would create.
+
+    Loading a distributed optimizer's checkpoint first calls ``load_state_dict(self.state_dict())``
+    (0.16 and 0.19 alike), and without Transformer Engine or apex its ``state_dict`` reads ``step``
+    from the per-parameter state and asserts a single value: a freshly built optimizer has none, so a
+    resume fails on that assertion. Zeros and step 0 are what Adam's lazy init would write; the load
+    then overwrites them (``step`` only through :func:`finish_optimizer_load`). Parameters that
+    already have state are left alone.
+    """
+    for group in adam.param_groups:
+        for param in group["params"]:
+            state = adam.state[param]
+            if state:
+                continue
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def restore_adam_steps(adam, step: float) -> None:
+    """Give every parameter of ``adam`` a ``step`` tensor of its own holding ``step``.
+
+    What the distributed optimizer's load (without Transformer Engine or apex) leaves there is wrong
+    twice: it hands every parameter the *same* tensor, which torch's Adam, incrementing each
+    parameter's ``step`` in place, would advance once per parameter per iteration; and its
+    ``dp_reshardable`` loader then copies into that tensor the ``step`` the state held when the
+    load was requested (zero for a fresh optimizer), since the bucket state carries ``step`` as a
+    local object. Either way the bias correction of every later update would differ from an
+    unbroken run's. The checkpoint's own value is in its param groups.
+    """
+    for state in adam.state.values():
+        if "step" in state:
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def prepare_optimizer_for_load(optimizer) -> None:
+    """Before asking ``optimizer`` for the sharded state dict to load into: :func:`fill_empty_adam_state`."""
+    for adam in _torch_adams_of_distributed_optimizers(optimizer):
+        fill_empty_adam_state(adam)
+
+
+def finish_optimizer_load(optimizer, state_dict) -> None:
+    """After ``optimizer.load_state_dict(state_dict)``: :func:`restore_adam_steps` with the step the
+    checkpoint's param groups hold (one state dict per chained optimizer, as megatron-core loads them)."""
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if not _torch_adams_of_distributed_optimizers(optimizer):
+        return
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(parts) == 1:
+        states = [state_dict]
+    else:
+        states = [v for _, v in sorted(state_dict.items())] if isinstance(state_dict, dict) else list(state_dict)
+    for part, state in zip(parts, states):
+        if isinstance(part, dopt.DistributedOptimizer) and isinstance(part.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            steps = {group["step"] for group in state["optimizer"]["param_groups"]}
+            if len(steps) != 1:
+                raise ValueError(f"the checkpoint's optimizer param groups disagree on the step: {sorted(steps)}")
+            restore_adam_steps(part.optimizer, steps.pop())
+
+
 def optimizer_state_reshards_over_tp_pp(optimizer) -> bool:
     """Whether ``optimizer``'s checkpointed state loads at another TP or PP size (see above)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -200,5 +280,6 @@ def use_prebuilt_dataset_helpers() -> None:
     utils.compile_helpers = compile_helpers
 
 
-__all__ = ["HAVE_MEGATRON_TRAINING", "MEGATRON_CORE", "MEGATRON_CORE_VERSION", "initialize_model_parallel",
-           "optimizer_sharded_state_dict", "optimizer_state_reshards_over_tp_pp", "replica_local_process_groups", "torch_dist_save_strategy", "use_prebuilt_dataset_helpers"]
+__all__ = ["HAVE_MEGATRON_TRAINING", "MEGATRON_CORE", "MEGATRON_CORE_VERSION", "fill_empty_adam_state",
+           "finish_optimizer_load", "initialize_model_parallel", "optimizer_sharded_state_dict", "prepare_optimizer_for_load",
+           "optimizer_state_reshards_over_tp_pp", "restore_adam_steps", "replica_local_process_groups", "torch_dist_save_strategy", "use_prebuilt_dataset_helpers"]

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.utils import unwrap_model
 
-from megatron_sparsebalance.compat import (optimizer_sharded_state_dict, optimizer_state_reshards_over_tp_pp,
+from megatron_sparsebalance.compat import (finish_optimizer_load, optimizer_sharded_state_dict,
+                                           optimizer_state_reshards_over_tp_pp, prepare_optimizer_for_load,
                                            torch_dist_save_strategy)
 
 FORMAT = "megatron-sparsebalance/1"
@@ -206,6 +207,7 @@ def load_checkpoint(path: str, model, optimizer=None, strict: bool = True, optim
             raise ValueError(f"--load {path}: the distributed optimizer's state was saved at TP={saved['tp']} "
                              f"PP={saved['pp']} and reshards only over DP on this megatron-core; resume at that "
                              "TP x PP, or pass --no-load-optim to load the weights alone")
+        prepare_optimizer_for_load(optimizer)
         request["optimizer"] = optimizer_sharded_state_dict(optimizer, model_sd, is_loading=True)
     loaded = dist_checkpointing.load(request, path)
     if common.get("format") != FORMAT:
@@ -214,6 +216,7 @@ def load_checkpoint(path: str, model, optimizer=None, strict: bool = True, optim
     if resume:
         with torch.no_grad():  # the distributed optimizer copies into its fp32 main params in place
             optimizer.load_state_dict(loaded["optimizer"])
+        finish_optimizer_load(optimizer, loaded["optimizer"])
     elif optimizer is not None:
         optimizer.reload_model_params()
     rng = os.path.join(path, f"rng_rank{_rank()}.pt")
