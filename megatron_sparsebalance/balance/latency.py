@@ -454,6 +454,17 @@ HARDWARE = {
 # FLOPs of one (query block x KV block) pair per query head, per B^2*d: forward QK^T and PV are
 # 2 matmuls (4 FLOPs per multiply-add pair counted as 2 each); backward recomputes QK^T and runs
 # dV, dP, dQ, dK: 5 more. 7 matmuls x 2 FLOPs.
+# Bytes moved per logit (one token, one vocabulary entry) by the output layer and megatron-core's
+# vocab-parallel cross entropy (the unfused path: no Transformer Engine, no
+# --cross-entropy-loss-fusion), forward and backward, counted pass by pass. Forward: the GEMM writes
+# bf16 logits (2); ``.float()`` reads them and writes fp32 (2 + 4); the row max reads (4); the max is
+# subtracted in place (4 + 4); exp in place (4 + 4); the row sum reads (4); the division into the
+# softmax kept for backward (4 + 4). Backward: the gradient scaled in place (4 + 4); cast back to
+# bf16 (4 + 2); read by the data- and the weight-gradient GEMMs (2 + 2). 58 in all: at a 152K
+# vocabulary these passes, not the GEMM, are most of the output layer's time. (Counting only the
+# logits, softmax and gradient, 16, priced Qwen2.5-0.5B's output layer at ~4.8 of its layers at
+# 64K; the 4xH200 stage shares measure ~12, and its fitted per-token cost 3.9 us against 3.9 us here.)
+_LOSS_BYTES_PER_LOGIT = 2 + (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4) + (4 + 4) + (4 + 2) + (2 + 2)
 _ATTN_FLOPS_PER_PAIR_UNIT = 14.0
 # Forward+backward FLOPs of a linear layer per weight per token: 2 forward, 4 backward.
 _LINEAR_FLOPS_PER_WEIGHT = 6.0
@@ -540,8 +551,8 @@ class AnalyticLatencyModel(LatencyModel):
         self._dense_flops_per_token = flops_per_token
         hidden_share = 1.0 / tp if self.sequence_parallel else 1.0  # norms and residuals: SP splits their tokens
         bytes_per_token = nl * self.dtype_bytes * (_ELEMENTWISE_HIDDEN_RW * h * hidden_share + _ELEMENTWISE_FFN_RW * ffn)
-        if self.post_process:  # logits written, softmax read and written, gradient written
-            bytes_per_token += 4 * 4 * s["vocab_size"] / tp
+        if self.post_process:
+            bytes_per_token += _LOSS_BYTES_PER_LOGIT * s["vocab_size"] / tp
         # TP collectives: 4 per layer (attention and MLP, forward and backward), each a ring moving
         # 2 (tp - 1) / tp of the layer's [tokens, h] activations per GPU.
         comm_bytes_per_token = nl * 4 * 2 * (tp - 1) / tp * h * self.dtype_bytes

@@ -4,8 +4,9 @@ Owns ``--decoder-pipeline-split`` (``even``, ``auto``). Megatron-LM balances an 
 with two numbers, ``--decoder-first-pipeline-num-layers`` and ``--decoder-last-pipeline-num-layers``;
 the stages between share the rest evenly (``training/step.py: pipeline_layer_split`` is that
 rule). The first stage also runs the embedding, the last the output layer and the loss (with a
-152K vocabulary ~8.6 Qwen2.5-0.5B layers' worth at 64K): under an even split the last stage is
-the slowest, every micro-batch waits for it, and no DST budget shortens it (its cost is per token).
+152K vocabulary ~12 Qwen2.5-0.5B layers' worth at 64K on an H200, by its measured stage shares):
+under an even split the last stage is the slowest, every micro-batch waits for it, and no DST
+budget shortens it (its cost is per token).
 
 :func:`choose_split` tries every ``(first, last)`` the rule accepts and keeps the one with the
 smallest predicted largest stage time (the steady state of 1F1B runs at the pace of its slowest
