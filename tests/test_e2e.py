@@ -40,6 +40,7 @@ def test_uneven_split_reaches_megatron_core():
     assert get_num_layers_to_build(cfg, pp_rank=3) == 2
 
 
+@pytest.mark.alone  # bounds the simulator's replay by the measured schedule: a timing of this machine
 def test_e2e_smoke_run_and_merge(tmp_path):
     """Two gloo ranks, PP=2 with an uneven split: rows of the documented schema, then the merged file."""
     out = str(tmp_path)
