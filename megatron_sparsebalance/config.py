@@ -37,7 +37,7 @@ from megatron_sparsebalance.training.model import (
     RecomputeSettings,
 )
 from megatron_sparsebalance.training.outer_sync import DPCommConfig
-from megatron_sparsebalance.training.step import pipeline_layer_split
+from megatron_sparsebalance.training.step import layout_layer_split, pipeline_layer_split
 from megatron_sparsebalance.training.tensor_parallel import validate_tensor_parallel
 from megatron_sparsebalance.training.trainer import OptimSettings
 
@@ -235,7 +235,12 @@ class ParallelConfig:
     without a fixed count share the rest evenly."""
     decoder_last_pipeline_num_layers: Optional[int] = None
     """Transformer layers on the last pipeline stage, which also runs the output layer and the
-    loss (with a 152K vocabulary six to nine Qwen2.5-0.5B layers' worth): give it fewer."""
+    loss (with a 152K vocabulary nine to twelve Qwen2.5-0.5B layers' worth at 64K): give it fewer."""
+    pipeline_model_parallel_layout: Optional[str] = None
+    """Megatron-LM's layer layout over the pipeline stages, e.g. "Et*8|t*8|t*8|L" (E embedding, t
+    transformer layer, L output layer and loss, | between stages, x*n repeats): one stage per
+    rank, and the last stage may hold the output layer and loss alone, which the two flags above
+    cannot say. Not with them or --account-for-*-in-pipeline-split."""
     distributed_backend: str = "auto"
     """auto (NCCL with GPUs, gloo without), nccl or gloo."""
     distributed_timeout_minutes: int = 10
@@ -477,13 +482,18 @@ class SparseBalanceConfig:
         """Transformer layers per pipeline stage (checks the --decoder-*-pipeline-num-layers and
         --account-for-*-in-pipeline-split flags)."""
         par = self.parallel
-        return pipeline_layer_split((shape or self.model_shape()).num_layers, par.pipeline_model_parallel_size,
+        num_layers = (shape or self.model_shape()).num_layers
+        if par.pipeline_model_parallel_layout is not None:
+            return layout_layer_split(par.pipeline_model_parallel_layout, num_layers, par.pipeline_model_parallel_size)
+        return pipeline_layer_split(num_layers, par.pipeline_model_parallel_size,
                                     par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers,
                                     par.account_for_embedding_in_pipeline_split, par.account_for_loss_in_pipeline_split)
 
     def end_stage_layers(self, shape: Optional[ModelShape] = None) -> tuple:
-        """``(first, last)`` stage layer counts for megatron-core (None: an even split)."""
+        """``(first, last)`` stage layer counts for megatron-core (None: an even split, or a layout)."""
         par = self.parallel
+        if par.pipeline_model_parallel_layout is not None:
+            return None, None
         if par.pipeline_model_parallel_size > 1 and (par.account_for_embedding_in_pipeline_split
                                                      or par.account_for_loss_in_pipeline_split):
             split = self.pipeline_layer_split(shape)
@@ -552,7 +562,16 @@ class SparseBalanceConfig:
         self.recompute.validate()
         self._validate_device_flags()
         par, tr = self.parallel, self.training
-        self.split.validate(par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+        self.split.validate(par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers,
+                            par.pipeline_model_parallel_layout)
+        if par.pipeline_model_parallel_layout is not None and (
+                par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None
+                or par.account_for_embedding_in_pipeline_split or par.account_for_loss_in_pipeline_split):
+            raise ValueError("--pipeline-model-parallel-layout places every layer itself: not with "
+                             "--decoder-first/last-pipeline-num-layers or --account-for-*-in-pipeline-split")
+        if par.pipeline_model_parallel_layout is not None:  # its own errors first: they do not depend on the world
+            layout_layer_split(par.pipeline_model_parallel_layout, self.model_shape().num_layers,
+                               par.pipeline_model_parallel_size)
         validate_tensor_parallel(self.model_shape(), par.tensor_model_parallel_size, self.sequence_parallel)
         if par.pipeline_model_parallel_size < 1:
             raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {par.pipeline_model_parallel_size}")

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -105,19 +106,24 @@ def build_latency_model(cfg: SparseBalanceConfig, device: torch.device) -> Laten
 
 
 def _choose_pipeline_split(cfg: SparseBalanceConfig, shape, latency, lengths, is_logger: bool) -> None:
-    """--decoder-pipeline-split auto: set --decoder-first/last-pipeline-num-layers from the predicted
+    """--decoder-pipeline-split auto: set --decoder-first/last-pipeline-num-layers (or, for a last
+    stage holding the output layer alone, --pipeline-model-parallel-layout) from the predicted
     stage costs of the data's first global batches (the same on every rank: no communication)."""
     from megatron_sparsebalance.balance.split import run_split
+    from megatron_sparsebalance.training.step import layout_of_split
 
     pp = cfg.parallel.pipeline_model_parallel_size
     if pp < 2:
         return
     choice = run_split(shape, pp, cfg.training.micro_batch_size, cfg.training.global_batch_size, lengths,
                        cfg.sparse.moba_topk, latency, cfg.sparse.moba_block_size)
-    cfg.parallel.decoder_first_pipeline_num_layers, cfg.parallel.decoder_last_pipeline_num_layers = choice.first, choice.last
+    if choice.last == 0:  # the output layer and loss alone on the last stage: a layout
+        cfg.parallel.pipeline_model_parallel_layout = layout_of_split(choice.split)
+    else:
+        cfg.parallel.decoder_first_pipeline_num_layers, cfg.parallel.decoder_last_pipeline_num_layers = choice.first, choice.last
     if is_logger:
         print(f"--decoder-pipeline-split auto: {'/'.join(map(str, choice.split))} layers per stage "
-              f"({' '.join(choice.flags()) or 'even'}), predicted stage ms "
+              f"({shlex.join(choice.flags()) or 'even'}), predicted stage ms "
               + " ".join(f"{t:.1f}" for t in choice.stage_ms)
               + f" against the even split's " + " ".join(f"{t:.1f}" for t in choice.even_stage_ms), flush=True)
 
@@ -328,6 +334,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
     trainer = Trainer(shape, cfg.sparse, cfg.dst_config(), cfg.optim, max_sequence_length=cfg.data.seq_length,
                       bf16=cfg.training.bf16, latency_model=latency, dp_comm=cfg.dp_comm,
                       first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                      pipeline_layout=cfg.parallel.pipeline_model_parallel_layout,
                       recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
                       # A micro-batch count that changes between iterations is exact only with per-token
                       # normalization, so --variable-micro-batches turns it on.

@@ -41,6 +41,13 @@ def launch_pp2_runs(root):
         run("recomputed", RECOMPUTE_BASE + RECOMPUTE_FLAGS),
         run("first", pretrain_cases.TINY + PP2 + ["--train-iters", "20", "--save", ck, "--exit-interval", "10"]),
         run("straight", pretrain_cases.TINY + PP2 + ["--train-iters", "20"]),
+        # The same weights on an even split and on a last stage holding the output layer alone.
+        run("layout_start", pretrain_cases.TINY + PP2 + ["--train-iters", "1", "--save", str(root / "ck_layout")]),
+        run("even_from_start", pretrain_cases.TINY + PP2 + ["--train-iters", "4", "--pretrained-checkpoint",
+                                                            str(root / "ck_layout")]),
+        run("output_alone", pretrain_cases.TINY + PP2 + ["--train-iters", "4", "--pretrained-checkpoint",
+                                                         str(root / "ck_layout"), "--pipeline-model-parallel-layout",
+                                                         "Et*2|L", "--log-dir", str(root / "output_alone")]),
     ], world=2, pp=2, done_dir=str(root / "done"), timeout_s=400)
     resumed = launch_cases([run("second", pretrain_cases.TINY + PP2 + ["--train-iters", "20", "--load", ck])],
                            world=2, pp=2, done_dir=str(root / "done_resumed"))
@@ -67,6 +74,20 @@ def test_pp2_loss_falls_and_logs_parse(pp2):
     for tag in ("train/loss", "train/imbalance", "train/bubble", "train/mean_budget", "train/tflops_per_gpu"):
         assert tag in scalars
     assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
+
+
+def test_a_last_stage_with_the_output_layer_alone_trains_as_an_even_split(pp2):
+    """--pipeline-model-parallel-layout "Et*2|L": both transformer layers on stage 0, stage 1 only the
+    output layer and loss (megatron-core builds an empty block there); from the same weights and
+    data its losses are the even split's."""
+    launch, _, root = pp2
+    for name in ("layout_start", "even_from_start", "output_alone"):
+        launch.check(name)
+    even = [r["loss"] for r in json.load(open(root / "even_from_start.json"))]
+    alone = [r["loss"] for r in json.load(open(root / "output_alone.json"))]
+    assert len(alone) == 4 and alone == pytest.approx(even, rel=1e-5, abs=1e-6)
+    config = json.load(open(root / "output_alone" / "config.json"))
+    assert config["parallel"]["pipeline_model_parallel_layout"] == "Et*2|L"
 
 
 def test_recomputed_layers_route_with_the_micro_batch_budget(pp2):
@@ -166,6 +187,16 @@ def test_killed_run_keeps_the_metrics_of_its_iterations(tmp_path):
     (["--decoder-pipeline-split", "auto", "--decoder-last-pipeline-num-layers", "1"],
      "--decoder-pipeline-split auto chooses --decoder-first/last-pipeline-num-layers itself"),
     (["--decoder-pipeline-split", "uneven"], "--decoder-pipeline-split must be one of"),
+    (["--pipeline-model-parallel-layout", "Et|tL"], "has 2 stages; --pipeline-model-parallel-size is 1"),
+    (PP2 + ["--pipeline-model-parallel-layout", "Et|tL", "--decoder-last-pipeline-num-layers", "1"],
+     "--pipeline-model-parallel-layout places every layer itself"),
+    (PP2 + ["--pipeline-model-parallel-layout", "Ett|Lt"], "L .the output layer and loss. must close the last stage"),
+    (PP2 + ["--pipeline-model-parallel-layout", "Et|tmL"], r"layer types \['mtp'\] are not supported"),
+    (PP2 + ["--pipeline-model-parallel-layout", "Et|tx"], "Invalid layer character"),
+    (PP2 + ["--pipeline-model-parallel-layout", "Et*3|L"], "places 3 transformer layers; --num-layers is 2"),
+    (PP2 + ["--pipeline-model-parallel-layout", "E|t*2L"], "every stage but the last needs a transformer layer"),
+    (PP2 + ["--decoder-pipeline-split", "auto", "--pipeline-model-parallel-layout", "Et|tL"],
+     "--decoder-pipeline-split auto chooses"),
     (["--dst-growth", "critical"], "--dst-growth must be one of .*critical-path"),
 ])
 def test_bad_flags_name_the_flag(extra, match, capsys, monkeypatch):

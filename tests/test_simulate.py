@@ -62,7 +62,10 @@ def test_stage_costs_flag_names_what_is_wrong(capsys):
     from tools.simulate_pipeline import main
 
     cases = ((["--stage-costs", "benchmarks/results/e2e_h200x4.json:pp9dp9/bimodal"], "no stage_costs['pp9dp9/bimodal']"),
-             (["--first-stage-layers", "7"], "go with --stage-costs"))
+             (["--first-stage-layers", "7"], "go with --stage-costs"),
+             (["--ablation-split", "8,8,8,0"], "goes with --ablation and one --layouts"),
+             (["--ablation", "--layouts", "pp4dp1", "--ablation-split", "8,8,0,8"], "at least one on every stage but the last"),
+             (["--ablation", "--layouts", "pp4dp1", "--ablation-split", "8,8,8"], "4 stages of pp4dp1 holding 24 layers"))
     for argv, says in cases:
         with pytest.raises(SystemExit) as exit_:
             main(["--gpus", "4", "--iters", "1", "--warmup", "0", *argv])
@@ -105,3 +108,33 @@ def test_ablation_rows_on_a_small_case():
     assert all(c == [8] for c in res["sab+dst"]["micro_batches"])
     assert all(1 <= c[0] <= 16 for c in res["all"]["micro_batches"])
     assert res["dst"]["mean_budget"] != 32 and res["baseline"]["mean_budget"] == 32
+
+
+def test_ablation_with_an_output_only_last_stage():
+    """--ablation-split 8,8,8,0: the split rows run it, the others keep the even split; with the
+    output layer priced above seven layers (the analytic term: ~9 at 64K), a last stage holding it
+    alone is faster than one holding it and a layer (7/8/8/1), and the middle stages are not the
+    bottleneck either way (8 layers each)."""
+    import numpy as np
+
+    from megatron_sparsebalance.balance.latency import AnalyticLatencyModel
+    from megatron_sparsebalance.data.distributions import sample_lengths
+    from megatron_sparsebalance.training.model import MODEL_PRESETS
+    from tools.simulate_pipeline import simulate_ablation_case
+
+    shape = MODEL_PRESETS["qwen2.5-0.5b"]
+    latency = AnalyticLatencyModel(shape, 6, block_size=128, hardware="h200")
+    per_token = (AnalyticLatencyModel(shape, 6, block_size=128, hardware="h200", post_process=True).predict([65536], 32)
+                 - latency.predict([65536], 32)) / 65536
+    layer_per_token = latency.predict([65536], 32) / 6 / 65536
+    assert per_token > 7 * layer_per_token  # the premise of the case
+    rng = np.random.default_rng(0)
+    batches = [sample_lengths("bimodal", 16, 65536, rng).tolist() for _ in range(3)]
+    configs = {"baseline": ("none", "fixed", "none", "bubble", "even"),
+               "baseline+split": ("none", "fixed", "none", "bubble", "auto")}
+    run = lambda split: simulate_ablation_case(batches, latency, shape, 4, 1, 2, 32, 0.1, 128, 131072, 6, per_token, 1,
+                                               configs=configs, auto_split=split)
+    alone, with_a_layer = run([8, 8, 8, 0]), run([7, 8, 8, 1])
+    assert alone["baseline+split"]["split"] == [8, 8, 8, 0] and alone["baseline"]["split"] == [6, 6, 6, 6]
+    assert alone["baseline"]["iter_ms"] == with_a_layer["baseline"]["iter_ms"]
+    assert alone["baseline+split"]["iter_ms"] < with_a_layer["baseline+split"]["iter_ms"] < alone["baseline"]["iter_ms"]

@@ -20,12 +20,29 @@ def test_output_layer_worth_five_layers_moves_three_layers_off_the_last_stage():
 
 
 def test_both_ends_when_one_flag_cannot_split_evenly():
-    # 8 layers, output 3, PP=4: the last stage alone with 1 layer leaves 7 layers for 3 stages
-    # (not even). Optimum 4 (last stage >= 1 layer + 3): 3/2/2/1 and 1/3/3/1 both reach it; the
-    # tie goes to the split nearer the even share, 3/2/2/1.
+    # 8 layers, output 3, PP=4. A last stage with a layer costs >= 1 + 3 = 4 (3/2/2/1 and 1/3/3/1
+    # reach it). The output layer alone on the last stage leaves 8 layers for 3 stages, not even
+    # without fixing the first: 2/3/3/0 reaches max(2, 3, 3, 3) = 3, the optimum, and only a
+    # layout can say it.
     choice = choose_split(8, 4, LayerCosts(layer_ms=1.0, output_ms=3.0))
+    assert (choice.first, choice.last, choice.split) == (2, 0, [2, 3, 3, 0])
+    assert max(choice.stage_ms) == 3.0 and choice.even_max_ms == 5.0
+    assert choice.flags() == ["--pipeline-model-parallel-layout", "Et*2|t*3|t*3|L"]
+
+
+def test_an_output_layer_lighter_than_a_stage_keeps_a_layer_on_the_last_stage():
+    # 8 layers, output 1.5, PP=4: even 2/2/2/2 costs 3.5 on the last stage. 3/2/2/1, 1/3/3/1 and
+    # 2/3/3/0 (the output layer alone) all reach 3, each fixing two ends; the tie goes to the split
+    # nearest the even share, 3/2/2/1 (1 + 0 + 0 + 1 = 2 layers off it, against 4 for the others).
+    choice = choose_split(8, 4, LayerCosts(layer_ms=1.0, output_ms=1.5))
     assert (choice.first, choice.last, choice.split) == (3, 1, [3, 2, 2, 1])
-    assert max(choice.stage_ms) == 4.0 and choice.even_max_ms == 5.0
+    assert max(choice.stage_ms) == 3.0 and choice.even_max_ms == 3.5
+
+
+def test_an_output_layer_alone_ties_broken_by_fewer_fixed_ends():
+    # 9 layers, output 3, PP=4: 3/3/3/0 both as (None, 0) and as (3, 0); the flag-free first wins.
+    choice = choose_split(9, 4, LayerCosts(layer_ms=1.0, output_ms=3.0))
+    assert (choice.first, choice.last, choice.split) == (None, 0, [3, 3, 3, 0]) and choice.max_ms == 3.0
 
 
 def test_balanced_costs_keep_the_even_split():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 import numpy as np
@@ -87,7 +88,7 @@ def main(argv=None) -> dict:
             continue
         print(f"{name:7s} {'/'.join(map(str, split)):12s} stage ms per global batch: "
               + " ".join(f"{t * per_it:8.1f}" for t in times) + f"   max {max(times) * per_it:8.1f}")
-    print("flags: " + (" ".join(choice.flags()) or "(the even split)")
+    print("flags: " + (shlex.join(choice.flags()) or "(the even split)")
           + f"  (predicted max stage time {choice.max_ms / choice.even_max_ms:.3f}x the even split's)")
     return result
 

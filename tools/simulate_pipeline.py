@@ -33,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -143,16 +144,18 @@ def ablation_split(shape, pp: int, latency, table_layers: int, per_token_last: f
 
 def simulate_ablation_case(batches, latency, shape, pp: int, dp: int, mbs: int, k_base: int, p, block_size: int,
                            micro_batch_tokens: int, table_layers: int, per_token_last: float, warmup: int,
-                           configs=ABLATION) -> dict:
+                           configs=ABLATION, auto_split: Optional[Sequence[int]] = None) -> dict:
     """Each configuration of ``configs`` over the same global batches: mean simulated iteration ms
-    after ``warmup`` batches, its split, and the micro-batches per replica of every iteration."""
+    after ``warmup`` batches, its split, and the micro-batches per replica of every iteration.
+    ``auto_split`` replaces the split the ``auto`` configurations would choose (``--ablation-split``)."""
     m = len(batches[0]) // (mbs * dp)
-    auto = ablation_split(shape, pp, latency, table_layers, per_token_last, batches, mbs, k_base)
+    if auto_split is None:
+        auto_split = ablation_split(shape, pp, latency, table_layers, per_token_last, batches, mbs, k_base).split
     even = [shape.num_layers // pp] * pp
     floor = FlatRouterCoverage(k_base, p, block_size) if p is not None else None
     out = {}
     for name, (batching, count, anchor, growth, split_mode) in configs.items():
-        split = auto.split if split_mode == "auto" else even
+        split = list(auto_split) if split_mode == "auto" else even
         stages = StageCostModel([n / table_layers for n in split], 1.0, per_token_last)
         batcher = SparsityAwareBatcher(batching, dp, m, latency_model=latency, k_base=k_base,
                                        micro_batch_tokens=micro_batch_tokens, pipeline_stages=pp,
@@ -211,7 +214,7 @@ def ablation(args) -> list:
                 res = simulate_ablation_case(batches, latency, shape, pp, dp, args.micro_batch_size, args.moba_topk,
                                              None if args.dst_p < 0 else args.dst_p, args.moba_block_size,
                                              args.micro_batch_tokens or args.micro_batch_size * args.seq_length,
-                                             table_layers, per_token, args.warmup)
+                                             table_layers, per_token, args.warmup, auto_split=args.ablation_split)
                 base, base_split = res["baseline"]["iter_ms"], res["baseline+split"]["iter_ms"]
                 for name, r in res.items():
                     rows.append(dict(model=model_name, latency=table or "analytic", output_cost=source, layout=layout,
@@ -298,9 +301,23 @@ def main(argv=None):
     p.add_argument("--global-batch-size", type=int, default=16, help="with --ablation")
     p.add_argument("--dst-p", type=float, default=0.1,
                    help="with --ablation: the coverage bound, under flat router scores (random weights); < 0: none")
+    p.add_argument("--ablation-split", default=None, type=lambda v: [int(x) for x in v.split(",")], metavar="N,N,...",
+                   help="with --ablation and one layout: the layers per stage of the rows that choose the split "
+                        "(+split, all, baseline+split), instead of choose_split's; a last stage of 0 layers holds "
+                        "the output layer and loss alone (Megatron-LM: --pipeline-model-parallel-layout "
+                        "\"Et*8|t*8|t*8|L\"; our training entries take no such split yet)")
     p.add_argument("--stage-costs-file", default="benchmarks/results/e2e_h200x4.json",
                    help="with --ablation and --latency-table: the measured output-layer cost per token (stage_costs)")
     args = p.parse_args(argv)
+    if args.ablation_split is not None:
+        n = MODEL_PRESETS[args.model].num_layers
+        if not args.ablation or len(args.layouts) != 1:
+            p.error("--ablation-split goes with --ablation and one --layouts")
+        pp = LAYOUTS[args.layouts[0]][0]
+        if len(args.ablation_split) != pp or sum(args.ablation_split) != n or min(args.ablation_split) < 0 \
+                or min(args.ablation_split[:-1]) < 1:
+            p.error(f"--ablation-split {','.join(map(str, args.ablation_split))}: {pp} stages of {args.layouts[0]} "
+                    f"holding {n} layers, at least one on every stage but the last")
     if (args.first_stage_layers is not None or args.last_stage_layers is not None) and not args.stage_costs:
         p.error("--first-stage-layers / --last-stage-layers go with --stage-costs (without it every stage costs the same)")
     try:

@@ -50,7 +50,9 @@ class LayerCosts:
 
 @dataclass(frozen=True)
 class SplitChoice:
-    """The chosen ``--decoder-first/last-pipeline-num-layers`` (None: that end is not fixed)."""
+    """The chosen ``--decoder-first/last-pipeline-num-layers`` (None: that end is not fixed; a
+    ``last`` of 0: the last stage holds the output layer and loss alone, a
+    ``--pipeline-model-parallel-layout``)."""
 
     first: Optional[int]
     last: Optional[int]
@@ -67,6 +69,10 @@ class SplitChoice:
         return max(self.even_stage_ms)
 
     def flags(self) -> list[str]:
+        if self.last == 0:  # the output layer and loss alone: only a layout says it
+            from megatron_sparsebalance.training.step import layout_of_split
+
+            return ["--pipeline-model-parallel-layout", layout_of_split(self.split)]
         out = []
         if self.first is not None:
             out += ["--decoder-first-pipeline-num-layers", str(self.first)]
@@ -81,7 +87,9 @@ class SplitChoice:
 
 def candidate_splits(num_layers: int, pp: int) -> list[tuple]:
     """Every ``(first, last, split)`` Megatron-LM's rule accepts for ``num_layers`` over ``pp``
-    stages, the even split (None, None) first when it exists."""
+    stages, the even split (None, None) first when it exists; then those whose last stage holds
+    the output layer and loss alone (``last`` 0; the other stages as the rule splits the layers
+    over ``pp - 1`` stages), which a ``--pipeline-model-parallel-layout`` expresses."""
     from megatron_sparsebalance.training.step import pipeline_layer_split
 
     out = []
@@ -92,6 +100,13 @@ def candidate_splits(num_layers: int, pp: int) -> list[tuple]:
                 out.append((first, last, pipeline_layer_split(num_layers, pp, first, last)))
             except ValueError:
                 continue
+    if pp >= 2:
+        for first in ends if pp >= 3 else [None]:
+            try:
+                head = pipeline_layer_split(num_layers, pp - 1, first if pp >= 3 else None)
+            except ValueError:
+                continue
+            out.append((head[0] if first is not None else None, 0, head + [0]))
     return out
 
 
@@ -180,17 +195,19 @@ class SplitConfig:
     """The pipeline-split flag (its own group: it decides the two Megatron-LM flags above)."""
 
     decoder_pipeline_split: str = "even"
-    """even: --decoder-first/last-pipeline-num-layers as given (none: an even split); auto: chosen at
-    start-up from the latency model's per-layer cost and the analytic embedding and output-layer
-    costs over the run's first global batches, the split with the smallest predicted largest stage
-    time (balance/split.py; tools/plan_pipeline_split.py prints the same choice)."""
+    """even: --decoder-first/last-pipeline-num-layers (or --pipeline-model-parallel-layout) as given
+    (none: an even split); auto: chosen at start-up from the latency model's per-layer cost and the
+    analytic embedding and output-layer costs over the run's first global batches, the split with
+    the smallest predicted largest stage time, a last stage of the output layer alone among them
+    (balance/split.py; tools/plan_pipeline_split.py prints the same choice)."""
 
-    def validate(self, first: Optional[int] = None, last: Optional[int] = None) -> "SplitConfig":
+    def validate(self, first: Optional[int] = None, last: Optional[int] = None,
+                 layout: Optional[str] = None) -> "SplitConfig":
         if self.decoder_pipeline_split not in SPLIT_MODES:
             raise ValueError(f"--decoder-pipeline-split must be one of {SPLIT_MODES}, got {self.decoder_pipeline_split!r}")
-        if self.decoder_pipeline_split == "auto" and (first is not None or last is not None):
-            raise ValueError("--decoder-pipeline-split auto chooses --decoder-first/last-pipeline-num-layers itself: "
-                             "give one or the other")
+        if self.decoder_pipeline_split == "auto" and (first is not None or last is not None or layout is not None):
+            raise ValueError("--decoder-pipeline-split auto chooses --decoder-first/last-pipeline-num-layers itself "
+                             "(or a --pipeline-model-parallel-layout): give one or the other")
         return self
 
 

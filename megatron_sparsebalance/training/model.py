@@ -143,11 +143,13 @@ def transformer_config(
     num_layers: Optional[int] = None,
     first_stage_layers: Optional[int] = None,
     last_stage_layers: Optional[int] = None,
+    pipeline_layout: Optional[str] = None,
     recompute: Optional[RecomputeSettings] = None,
     sequence_parallel: bool = False,
     calculate_per_token_loss: bool = False,
 ) -> TransformerConfig:
-    """megatron-core's config of ``shape``; ``first/last_stage_layers`` make the pipeline uneven."""
+    """megatron-core's config of ``shape``; ``first/last_stage_layers`` make the pipeline uneven,
+    ``pipeline_layout`` (``--pipeline-model-parallel-layout``) places every layer instead."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     # Megatron's unfused THD RoPE costs ~110 launches per call (q and k of every layer) and our
     # machines have no Transformer Engine for its fused hook: on CUDA the hook runs our Triton
@@ -179,6 +181,7 @@ def transformer_config(
         pipeline_model_parallel_size=pipeline_parallel_size,
         num_layers_in_first_pipeline_stage=first_stage_layers,
         num_layers_in_last_pipeline_stage=last_stage_layers,
+        pipeline_model_parallel_layout=pipeline_layout,
         tensor_model_parallel_size=tensor_parallel_size,
         sequence_parallel=sequence_parallel,
         use_cpu_initialization=not torch.cuda.is_available(),

@@ -128,6 +128,53 @@ def layers_per_stage(num_layers: int, pp: Optional[int] = None) -> int:
     return num_layers // pp
 
 
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+
+
+def layout_layer_split(layout: str, num_layers: int, pp: int) -> list[int]:
+    """Transformer layers per pipeline stage of Megatron-LM's ``--pipeline-model-parallel-layout``.
+
+    Parsed by megatron-core's own parser (``PipelineParallelLayerLayout.parse_str_to_list``: ``|``
+    between stages, ``E`` the embedding, ``t`` a transformer layer, ``L`` the output layer and loss,
+    ``x*n`` repeats). Of that grammar this schedule takes one stage per pipeline rank (no virtual
+    stages), ``E`` first on the first stage, ``L`` last on the last, no other layer types, and a
+    transformer layer on every stage but the last: the last may hold the output layer and loss
+    alone (``"Et*8|t*8|t*8|L"``), which ``--decoder-last-pipeline-num-layers`` cannot say.
+    """
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    try:
+        stages = PipelineParallelLayerLayout.parse_str_to_list(layout)
+    except (AssertionError, ValueError) as e:
+        raise ValueError(f"{LAYOUT_FLAG} {layout!r}: {e}") from None
+    names = [[t.name for t in stage] for stage in stages]
+    if len(names) != pp:
+        raise ValueError(f"{LAYOUT_FLAG} {layout!r} has {len(names)} stages; --pipeline-model-parallel-size is {pp} "
+                         "(one stage per pipeline rank: virtual pipeline stages are not supported by this 1F1B schedule)")
+    other = sorted({n for stage in names for n in stage} - {"embedding", "decoder", "loss"})
+    if other:
+        raise ValueError(f"{LAYOUT_FLAG} {layout!r}: layer types {other} are not supported (E, t and L only)")
+    flat = [n for stage in names for n in stage]
+    if flat.count("embedding") != 1 or names[0][:1] != ["embedding"]:
+        raise ValueError(f"{LAYOUT_FLAG} {layout!r}: E (the embedding) must open the first stage, once")
+    if flat.count("loss") != 1 or names[-1][-1:] != ["loss"]:
+        raise ValueError(f"{LAYOUT_FLAG} {layout!r}: L (the output layer and loss) must close the last stage, once")
+    split = [stage.count("decoder") for stage in names]
+    if sum(split) != num_layers:
+        raise ValueError(f"{LAYOUT_FLAG} {layout!r} places {sum(split)} transformer layers; --num-layers is {num_layers}")
+    if pp > 1 and min(split[:-1]) < 1:
+        raise ValueError(f"{LAYOUT_FLAG} {layout!r}: every stage but the last needs a transformer layer ({split})")
+    return split
+
+
+def layout_of_split(split: Sequence[int]) -> str:
+    """The ``--pipeline-model-parallel-layout`` string of a per-stage layer split."""
+    stages = [f"t*{n}" if n > 1 else "t" * n for n in split]
+    stages[0] = "E" + stages[0]
+    stages[-1] = stages[-1] + "L"
+    return "|".join(stages)
+
+
 def pipeline_layer_split(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None,
                          account_for_embedding: bool = False, account_for_loss: bool = False) -> list[int]:
     """Transformer layers per pipeline stage, Megatron-LM's rules for uneven pipelines.
@@ -141,7 +188,7 @@ def pipeline_layer_split(num_layers: int, pp: int, first: Optional[int] = None, 
     ``first`` / ``last`` (``--decoder-first-pipeline-num-layers`` /
     ``--decoder-last-pipeline-num-layers``) fix the end stages; the other stages share the
     remaining layers evenly. The last stage also holds the output layer and the loss, which for
-    a 152K vocabulary costs as much as six to nine Qwen2.5-0.5B layers, so giving it fewer layers
+    a 152K vocabulary costs as much as nine to twelve Qwen2.5-0.5B layers at 64K, so giving it fewer layers
     is how a Megatron user balances the stages.
     """
     if account_for_embedding or account_for_loss:

@@ -105,6 +105,7 @@ class Trainer:
         dp_comm: Optional[DPCommConfig] = None,
         first_stage_layers: Optional[int] = None,
         last_stage_layers: Optional[int] = None,
+        pipeline_layout: Optional[str] = None,
         recompute: Optional[RecomputeSettings] = None,
         sequence_parallel: bool = False,
         calculate_per_token_loss: bool = False,
@@ -127,7 +128,8 @@ class Trainer:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.config = transformer_config(shape, pipeline_parallel_size=pp, tensor_parallel_size=tp, bf16=bf16,
                                          num_layers=num_layers, first_stage_layers=first_stage_layers,
-                                         last_stage_layers=last_stage_layers, recompute=recompute,
+                                         last_stage_layers=last_stage_layers, pipeline_layout=pipeline_layout,
+                                         recompute=recompute,
                                          sequence_parallel=sequence_parallel,
                                          calculate_per_token_loss=calculate_per_token_loss)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
