@@ -135,15 +135,16 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading
                                         metadata={"distrib_optim_sharding_type": "dp_reshardable"})
 
 
-def _torch_adams_of_distributed_optimizers(optimizer) -> list:
-    """The inner ``torch.optim.Adam``/``AdamW`` of each distributed optimizer in ``optimizer``, where
-    megatron-core runs without Transformer Engine and apex (their fused Adams keep ``step`` per group)."""
+def _distributed_optimizers_over_torch_adam(optimizer) -> list:
+    """``(index, part)`` of each distributed optimizer among ``optimizer``'s parts (its chained
+    optimizers, or itself) whose inner optimizer is torch's Adam/AdamW: where megatron-core runs
+    without Transformer Engine and apex (their fused Adams keep ``step`` per param group)."""
     from megatron.core.optimizer import distrib_optimizer as dopt
 
     if getattr(dopt, "HAVE_APEX_OR_TE", True):
         return []
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [p.optimizer for p in parts if isinstance(p, dopt.DistributedOptimizer)
+    return [(i, p) for i, p in enumerate(parts) if isinstance(p, dopt.DistributedOptimizer)
             and isinstance(p.optimizer, (torch.optim.Adam, torch.optim.AdamW))]
 
 
@@ -187,28 +188,25 @@ def restore_adam_steps(adam, step: float) -> None:
 
 def prepare_optimizer_for_load(optimizer) -> None:
     """Before asking ``optimizer`` for the sharded state dict to load into: :func:`fill_empty_adam_state`."""
-    for adam in _torch_adams_of_distributed_optimizers(optimizer):
-        fill_empty_adam_state(adam)
+    for _, part in _distributed_optimizers_over_torch_adam(optimizer):
+        fill_empty_adam_state(part.optimizer)
 
 
 def finish_optimizer_load(optimizer, state_dict) -> None:
     """After ``optimizer.load_state_dict(state_dict)``: :func:`restore_adam_steps` with the step the
     checkpoint's param groups hold (one state dict per chained optimizer, as megatron-core loads them)."""
-    from megatron.core.optimizer import distrib_optimizer as dopt
-
-    if not _torch_adams_of_distributed_optimizers(optimizer):
+    targets = _distributed_optimizers_over_torch_adam(optimizer)
+    if not targets:
         return
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(parts) == 1:
+    if len(getattr(optimizer, "chained_optimizers", [optimizer])) == 1:
         states = [state_dict]
     else:
         states = [v for _, v in sorted(state_dict.items())] if isinstance(state_dict, dict) else list(state_dict)
-    for part, state in zip(parts, states):
-        if isinstance(part, dopt.DistributedOptimizer) and isinstance(part.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            steps = {group["step"] for group in state["optimizer"]["param_groups"]}
-            if len(steps) != 1:
-                raise ValueError(f"the checkpoint's optimizer param groups disagree on the step: {sorted(steps)}")
-            restore_adam_steps(part.optimizer, steps.pop())
+    for i, part in targets:
+        steps = {group["step"] for group in states[i]["optimizer"]["param_groups"]}
+        if len(steps) != 1:
+            raise ValueError(f"the checkpoint's optimizer param groups disagree on the step: {sorted(steps)}")
+        restore_adam_steps(part.optimizer, steps.pop())
 
 
 def optimizer_state_reshards_over_tp_pp(optimizer) -> bool:

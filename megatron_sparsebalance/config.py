@@ -564,12 +564,11 @@ class SparseBalanceConfig:
         par, tr = self.parallel, self.training
         self.split.validate(par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers,
                             par.pipeline_model_parallel_layout)
-        if par.pipeline_model_parallel_layout is not None and (
-                par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None
-                or par.account_for_embedding_in_pipeline_split or par.account_for_loss_in_pipeline_split):
-            raise ValueError("--pipeline-model-parallel-layout places every layer itself: not with "
-                             "--decoder-first/last-pipeline-num-layers or --account-for-*-in-pipeline-split")
         if par.pipeline_model_parallel_layout is not None:  # its own errors first: they do not depend on the world
+            if (par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None
+                    or par.account_for_embedding_in_pipeline_split or par.account_for_loss_in_pipeline_split):
+                raise ValueError("--pipeline-model-parallel-layout places every layer itself: not with "
+                                 "--decoder-first/last-pipeline-num-layers or --account-for-*-in-pipeline-split")
             layout_layer_split(par.pipeline_model_parallel_layout, self.model_shape().num_layers,
                                par.pipeline_model_parallel_size)
         validate_tensor_parallel(self.model_shape(), par.tensor_model_parallel_size, self.sequence_parallel)

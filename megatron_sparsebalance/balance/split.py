@@ -101,12 +101,12 @@ def candidate_splits(num_layers: int, pp: int) -> list[tuple]:
             except ValueError:
                 continue
     if pp >= 2:
-        for first in ends if pp >= 3 else [None]:
+        for first in ends if pp >= 3 else [None]:  # one stage before the last has no "first" to fix
             try:
-                head = pipeline_layer_split(num_layers, pp - 1, first if pp >= 3 else None)
+                head = pipeline_layer_split(num_layers, pp - 1, first)
             except ValueError:
                 continue
-            out.append((head[0] if first is not None else None, 0, head + [0]))
+            out.append((first, 0, head + [0]))
     return out
 
 
