@@ -19,7 +19,11 @@ SparseBalance flags. Per configuration the rank-0 process records, over the meas
 * ``predicted_ms``: the 1F1B simulator on the plan's predicted micro-batch costs, and
   ``simulated_iter_ms``: the simulator on the measured per-stage forward/backward times, both
   against ``pipeline_ms``;
-* ``mean_budget``, ``mean_coverage`` and the ``loss`` of the last iteration.
+* ``mean_budget``, ``mean_coverage`` (means over the attention layers), and the last iteration's
+  ``loss`` (what the schedule trained on: the mean of the micro-batches' per-token losses, or the
+  global batch's per-token loss under per-token normalization, which ``--variable-micro-batches``
+  turns on) and ``lm_loss`` (the global batch's per-token loss for every configuration: the one
+  to compare across configurations).
 
 ``--layout`` picks the parallel layout and the pipeline split. The last stage runs the output
 layer over a 152K vocabulary (as much work as six to nine of these layers), so the split gives it
@@ -194,7 +198,7 @@ class Recorder:
             micro_batches=[counts[d] for d in sorted(counts)],
             iteration=row["iteration"], elapsed_ms=row["elapsed_ms"], pipeline_ms=m.iteration_ms,
             imbalance=m.imbalance, bubble=m.bubble, micro_batch_ms=m.micro_batch_ms, budgets=m.budgets,
-            coverage=m.coverage, predicted_ms=m.predicted_ms, loss=row["loss"], dst_ms=row["dst_ms"],
+            coverage=m.coverage, predicted_ms=m.predicted_ms, loss=row["loss"], lm_loss=row["lm_loss"], dst_ms=row["dst_ms"],
             sab_ms=row["sab_ms"], tflops_per_gpu=row["tflops_per_gpu"],
             # [dp][stage][micro-batch] -> (forward ms, backward ms)
             stage_ms=[[[(stages[(d, s)][j]["F"], stages[(d, s)][j]["B"]) for j in sorted(stages[(d, s)])]
@@ -255,7 +259,7 @@ def summarize(dist: str, layout: str, config: str, iterations: list, dp: int, mo
         # Dense attention has no budget and no coverage.
         mean_budget=mean(mean(it["budgets"]) for it in iterations) if config != "dense" else None,
         mean_coverage=mean(mean(it["coverage"]) for it in iterations) if config != "dense" else None,
-        loss=iterations[-1]["loss"],
+        loss=iterations[-1]["loss"], lm_loss=iterations[-1].get("lm_loss"),
         tflops_per_gpu=mean(it["tflops_per_gpu"] for it in iterations),
         predicted_ms=mean(simulate_predicted(it, pp, dp, shares) for it in iterations),
         simulated_iter_ms=mean(simulate_measured(it) for it in iterations),
@@ -419,10 +423,12 @@ def write_result(args, result: dict) -> str:
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{'layout':7s} {'dist':8s} {'config':14s} {'imbal':>6s} {'iter ms':>9s} {'ovh ms':>7s} {'speedup':>7s} "
-          f"{'pipe x':>6s} {'bubble':>6s} {'sim/meas':>8s} {'pred/meas':>9s} {'budget':>6s} {'cover':>6s} {'loss':>7s}")
+    print(f"\n{'layout':7s} {'weights':8s} {'dist':8s} {'config':14s} {'imbal':>6s} {'iter ms':>9s} {'ovh ms':>7s} "
+          f"{'speedup':>7s} {'pipe x':>6s} {'bubble':>6s} {'sim/meas':>8s} {'pred/meas':>9s} {'budget':>6s} {'cover':>6s} "
+          f"{'loss':>7s}")
     for r in result["rows"]:
-        print(f"{r['layout']:7s} {r['dist']:8s} {r['config']:14s} {r['imbalance']:6.3f} {r['iter_ms']:9.1f} "
+        print(f"{r['layout']:7s} {r.get('weights') or 'random':8s} {r['dist']:8s} {r['config']:14s} "
+              f"{r['imbalance']:6.3f} {r['iter_ms']:9.1f} "
               f"{r['overhead_ms']:7.2f} {r.get('speedup', float('nan')):7.3f} {r.get('pipeline_speedup', float('nan')):6.3f} "
               f"{100 * r['bubble']:5.1f}% {r['simulated_iter_ms'] / r['pipeline_ms']:8.3f} "
               f"{r['predicted_ms'] / r['pipeline_ms']:9.3f} {r['mean_budget'] or float('nan'):6.1f} "
@@ -473,15 +479,24 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
         merged["torch"] = part.get("torch", merged["torch"])
         source = os.path.basename(path)
         merged["rows"] += [r for r in part["rows"] if not is_excluded(r, exclude, source)]
+        # Files of other weights than random init (--weights) keep their ideals and timelines apart.
+        weights = part["setup"].get("weights")
+        label = f"/{weights}" if weights not in (None, "random") else ""
         for dist_name in part["setup"]["dists"]:
             if f"{dist_name}/baseline" in part["iterations"]:
                 # Recomputed from the file's own records (also for a run that stopped before its
-                # summary), so every ideal of the merged file comes from the same code.
-                ideal = ideal_from_file(part, dist_name)
+                # summary), so every ideal of the merged file comes from the same code; a run from
+                # a checkpoint that is not on this machine (its architecture is read from it)
+                # keeps the ideals it computed itself.
+                checkpoint = part["setup"].get("checkpoint")
+                if checkpoint and not os.path.isdir(checkpoint) and all(dist_name in part.get(k, {}) for k in IDEAL_KEYS):
+                    ideal = {key: part[key][dist_name] for key in IDEAL_KEYS}
+                else:
+                    ideal = ideal_from_file(part, dist_name)
                 for key in IDEAL_KEYS:
-                    merged[key][f"{part['layout']}/{dist_name}"] = ideal[key]
+                    merged[key][f"{part['layout']}/{dist_name}{label}"] = ideal[key]
         merged["sources"].append(source)
-        traces.update({f"{part['layout']}/{k}": v for k, v in part["traces"].items()})
+        traces.update({f"{part['layout']}{label}/{k}": v for k, v in part["traces"].items()})
     # A later file's row replaces an earlier one of the same (layout, dist, config, weights).
     # (--exclude was applied per file above: an unqualified entry drops the row in every file.)
     merged["rows"] = list({(r["layout"], r["dist"], r["config"], r.get("weights")): r for r in merged["rows"]}.values())
@@ -504,26 +519,29 @@ def draw(merged: dict, traces: dict, out_dir: str, tag: str) -> None:
     from tools.plot_timeline import draw as draw_timeline
 
     for key, trace in traces.items():
-        layout, dist_name, config = key.split("/")
+        where, dist_name, config = key.rsplit("/", 2)  # where: the layout, then /weights if not random
         if config != "baseline":
             continue
-        other = traces.get(f"{layout}/{dist_name}/sab+dst")
+        other = traces.get(f"{where}/{dist_name}/sab+dst")
         panels = [("baseline", trace)] + ([("sab+dst", other)] if other else [])
         fig, axes = plt.subplots(len(panels), 1, figsize=(14, 2.2 * len(panels) + 1), squeeze=False)
+        title = where.replace("/", " ")
         for ax, (name, tr) in zip(axes[:, 0], panels):
-            draw_timeline(ax, [e for e in tr["traceEvents"] if e.get("ph") == "X"], f"{layout} {dist_name}: {name}")
+            draw_timeline(ax, [e for e in tr["traceEvents"] if e.get("ph") == "X"], f"{title} {dist_name}: {name}")
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, f"e2e_timeline_{tag}_{layout}_{dist_name}.png"), dpi=110)
+        fig.savefig(os.path.join(out_dir, f"e2e_timeline_{tag}_{where.replace('/', '_')}_{dist_name}.png"), dpi=110)
         plt.close(fig)
-    groups = sorted({(r["layout"], r["dist"]) for r in merged["rows"]})
+    groups = sorted({(r["layout"], r["dist"], r.get("weights") or "random") for r in merged["rows"]})
     configs = [c for c in CONFIGS if any(r["config"] == c for r in merged["rows"])]
     fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(configs) * len(groups) / 2), 4))
     width = 0.8 / max(1, len(groups))
-    for g, (layout, dist_name) in enumerate(groups):
+    for g, (layout, dist_name, weights) in enumerate(groups):
         vals = [next((r.get("speedup", float("nan")) for r in merged["rows"]
-                      if r["layout"] == layout and r["dist"] == dist_name and r["config"] == c), float("nan"))
+                      if r["layout"] == layout and r["dist"] == dist_name and r["config"] == c
+                      and (r.get("weights") or "random") == weights), float("nan"))
                 for c in configs]
-        ax.bar([i + g * width for i in range(len(configs))], vals, width, label=f"{layout} {dist_name}")
+        label = f"{layout} {dist_name}" + (f" ({weights})" if len(groups) > 1 and weights != "random" else "")
+        ax.bar([i + g * width for i in range(len(configs))], vals, width, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(configs))], configs, rotation=30, ha="right")
     ax.set_ylabel("speedup over baseline")

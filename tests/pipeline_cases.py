@@ -200,15 +200,32 @@ def metrics_from_known_spans():
     else:
         spans = [Span(0, "F", 2, 3), Span(0, "B", 3, 5), Span(1, "F", 5, 10),
                  Span(1, "B", 10, 20), Span(2, "F", 20, 21), Span(2, "B", 38, 40)]
-    record = StageRecord(pp_rank=rank, dp_rank=0, spans=spans, budgets={0: 4.0, 1: 2.0, 2: 4.0},
-                         coverage={0: 1.0, 1: 0.5, 2: 1.0}, predicted_ms={0: 3.0 * (rank + 1), 1: 6.0, 2: 3.0})
+    # Stage 0 has three attention layers, stage 1 one: budgets and coverage are means over the
+    # four layers (micro-batch 0: (3 * 4 + 8) / 4 = 5), not over the two stages.
+    budgets, coverage = ({0: 4.0, 1: 2.0, 2: 4.0}, {0: 1.0, 1: 0.5, 2: 1.0}) if rank == 0 else \
+        ({0: 8.0, 1: 2.0, 2: 4.0}, {0: 0.6, 1: 0.5, 2: 1.0})
+    record = StageRecord(pp_rank=rank, dp_rank=0, spans=spans, budgets=budgets, coverage=coverage,
+                         predicted_ms={0: 3.0 * (rank + 1), 1: 6.0, 2: 3.0},
+                         layers={mb: 3 if rank == 0 else 1 for mb in range(3)})
     m = gather_iteration_metrics(record, 3)
     assert m.micro_batch_ms == [9.0, 21.0, 9.0]
     assert abs(m.imbalance - 21.0 / 13.0) < 1e-12
     assert m.iteration_ms == 40.0
     assert [round(b, 12) for b in m.bubble] == [round(1 - 18 / 40, 12), round(1 - 21 / 40, 12)]
-    assert m.budgets == [4.0, 2.0, 4.0] and m.coverage == [1.0, 0.5, 1.0]
+    assert m.budgets == [5.0, 2.0, 4.0] and m.coverage == [0.9, 0.5, 1.0]
     assert m.predicted_ms == [9.0, 12.0, 6.0]
+
+    # A last stage with the output layer alone reports no budgets: the figures are stage 0's,
+    # not halved by a budget of 0 (which would also mislead DST's coverage floor).
+    if rank == 0:
+        record = StageRecord(pp_rank=0, dp_rank=0, spans=spans, budgets={0: 4.0, 1: 2.0, 2: 4.0},
+                             coverage={0: 1.0, 1: 0.5, 2: 1.0}, predicted_ms={0: 3.0, 1: 6.0, 2: 3.0},
+                             layers={0: 3, 1: 3, 2: 3})
+    else:
+        record = StageRecord(pp_rank=1, dp_rank=0, spans=spans, budgets={}, coverage={},
+                             predicted_ms={0: 6.0, 1: 6.0, 2: 3.0})
+    m = gather_iteration_metrics(record, 3)
+    assert m.budgets == [4.0, 2.0, 4.0] and m.coverage == [1.0, 0.5, 1.0]
 
 
 def groups_kept_across_calls():

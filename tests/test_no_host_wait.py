@@ -77,8 +77,8 @@ def test_read_reports_matches_report_means():
     with budget_scope(k=4) as empty:
         pass
     reports[3] = empty
-    budgets, coverage = read_reports(reports)
-    assert sorted(budgets) == [0, 1, 2]
+    budgets, coverage, layers = read_reports(reports)
+    assert sorted(budgets) == [0, 1, 2] and layers == {0: 3, 1: 3, 2: 3}
     for i in range(3):
         stats = [layer.stats for layer in reports[i].layers]
         assert budgets[i] == pytest.approx(sum(st.k_used for st in stats) / 3)

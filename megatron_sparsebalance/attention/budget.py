@@ -50,8 +50,9 @@ class BudgetReport:
         return read_reports({0: self})[1].get(0, 0.0)
 
 
-def read_reports(reports: dict) -> tuple[dict, dict]:
-    """Mean budget and mean coverage of each report (``{micro_batch: BudgetReport}``), read at once.
+def read_reports(reports: dict) -> tuple[dict, dict, dict]:
+    """Mean budget, mean coverage and number of layers of each report (``{micro_batch:
+    BudgetReport}``), read at once; a report without layers is in none of the three.
 
     The layers leave what they chose on the device (:class:`RouteStats`); reading it report by
     report would stop the host after every micro-batch's forward, which in a pipeline leaves the
@@ -72,7 +73,7 @@ def read_reports(reports: dict) -> tuple[dict, dict]:
     value = lambda slot: read[slot[0]] if slot[0] is not None else slot[1]  # noqa: E731
     budgets = {i: sum(value(k) for k, _ in pairs) / len(pairs) for i, pairs in layers.items()}
     coverage = {i: sum(value(c) for _, c in pairs) / len(pairs) for i, pairs in layers.items()}
-    return budgets, coverage
+    return budgets, coverage, {i: len(pairs) for i, pairs in layers.items()}
 
 
 class _ScopeState:

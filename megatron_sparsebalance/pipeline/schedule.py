@@ -200,10 +200,10 @@ def forward_backward_sparsebalance(
         config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
 
     if plan.measure:
-        budgets, coverage = read_reports(reports)
+        budgets, coverage, layers = read_reports(reports)
         record = StageRecord(
             pp_rank=rank, dp_rank=parallel_state.get_data_parallel_rank(), spans=clock.spans(),
-            budgets=budgets, coverage=coverage,
+            budgets=budgets, coverage=coverage, layers=layers,
             predicted_ms={i: mb.predicted_ms for i, mb in enumerate(plan.micro_batches)},
         )
         plan.measured = gather_iteration_metrics(record, M)

@@ -38,6 +38,7 @@ class StageRecord:
     budgets: dict  # micro-batch -> mean budget used over this stage's layers
     coverage: dict  # micro-batch -> mean coverage C(k) over this stage's layers
     predicted_ms: dict  # micro-batch -> the plan's prediction for this stage (if any)
+    layers: dict = field(default_factory=dict)  # micro-batch -> this stage's sparse attention layers that ran it
 
 
 class StageClock:
@@ -152,8 +153,12 @@ def gather_iteration_metrics(record: StageRecord, num_micro_batches: int) -> Ite
     mb_ms = [[0.0] * counts[d] for d in range(dp)]
     predicted = [[0.0] * counts[d] for d in range(dp)]
     have_prediction = True
+    # Budget and coverage are means over the layers that ran the micro-batch, whichever stage
+    # holds them: a stage without attention layers (the output layer alone, or an uneven split)
+    # neither counts as budget 0 nor weighs as much as a stage with more layers.
     budget_sum = [[0.0] * counts[d] for d in range(dp)]
     coverage_sum = [[0.0] * counts[d] for d in range(dp)]
+    layer_count = [[0] * counts[d] for d in range(dp)]
     busy = [0.0] * pp
     iteration_ms = 0.0
     for r in records:
@@ -162,8 +167,10 @@ def gather_iteration_metrics(record: StageRecord, num_micro_batches: int) -> Ite
             busy[r.pp_rank] += (s.end_ms - s.start_ms) / dp
             iteration_ms = max(iteration_ms, s.end_ms)
         for mb in range(counts[r.dp_rank]):
-            budget_sum[r.dp_rank][mb] += r.budgets.get(mb, 0.0) / pp
-            coverage_sum[r.dp_rank][mb] += r.coverage.get(mb, 0.0) / pp
+            layers = r.layers.get(mb, 0)
+            budget_sum[r.dp_rank][mb] += r.budgets.get(mb, 0.0) * layers
+            coverage_sum[r.dp_rank][mb] += r.coverage.get(mb, 0.0) * layers
+            layer_count[r.dp_rank][mb] += layers
             if r.predicted_ms.get(mb) is None:
                 have_prediction = False
             else:
@@ -175,8 +182,8 @@ def gather_iteration_metrics(record: StageRecord, num_micro_batches: int) -> Ite
         imbalance=max(flat) / mean if mean > 0 else 1.0,
         bubble=[1.0 - b / iteration_ms if iteration_ms > 0 else 0.0 for b in busy],
         micro_batch_ms=flat,
-        budgets=[b for row in budget_sum for b in row],
-        coverage=[c for row in coverage_sum for c in row],
+        budgets=[b / n if n else 0.0 for row, ns in zip(budget_sum, layer_count) for b, n in zip(row, ns)],
+        coverage=[c / n if n else 0.0 for row, ns in zip(coverage_sum, layer_count) for c, n in zip(row, ns)],
         predicted_ms=[p for row in predicted for p in row] if have_prediction else [],
         records=records,
     )
