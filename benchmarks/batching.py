@@ -182,7 +182,8 @@ def run(batches: int, warmup: int, seed: int) -> dict:
                 spans = {rule: [] for rule in MICRO_BATCH_ORDERS}
                 for lengths in samples:
                     for rule in MICRO_BATCH_ORDERS:
-                        batcher = SparsityAwareBatcher(method, 1, m, model, estimator=est, order=rule)
+                        batcher = SparsityAwareBatcher(method, 1, m, model, estimator=est, order=rule,
+                                                       pipeline_stages=PIPELINE_STAGES)  # simulated: stages alike
                         loads = batcher.plan(lengths).loads[0]
                         spans[rule].append(simulate_1f1b([x / 3 for x in loads], [2 * x / 3 for x in loads], PIPELINE_STAGES))
                 ref = statistics.mean(spans["as-planned"])

@@ -85,10 +85,15 @@ CONFIGS = {  # name -> pretrain flags on top of the common ones
     "+critical-path": ["--batching", "sab", "--dst-anchor", "mean", "--dst-p", "0.1", "--dst-growth", "critical-path"],
     "all": ["--batching", "hydraulis", "--variable-micro-batches", "--micro-batch-count-objective", "simulated",
             "--dst-anchor", "mean", "--dst-p", "0.1", "--dst-growth", "critical-path", "--decoder-pipeline-split", "auto"],
+    # The micro-batches' pipeline order searched on the simulated 1F1B (balance/sab.py: simulated_order).
+    "+order": ["--batching", "sab", "--dst-anchor", "mean", "--dst-p", "0.1", "--micro-batch-order", "simulated"],
+    "all+order": ["--batching", "hydraulis", "--variable-micro-batches", "--micro-batch-count-objective", "simulated",
+                  "--dst-anchor", "mean", "--dst-p", "0.1", "--dst-growth", "critical-path", "--decoder-pipeline-split",
+                  "auto", "--micro-batch-order", "simulated"],
 }
 MAIN_CONFIGS = ["baseline", "lbb", "sab", "dst", "sab+dst", "dense"]
 BALANCE_CONFIGS = ["baseline", "lbb", "sab", "dst", "sab+dst", "+split", "+hydraulis", "+hydraulis-simulated-count",
-                   "+critical-path", "all", "baseline+split"]
+                   "+critical-path", "+order", "all", "all+order", "baseline+split"]
 """Issue 43's ablation (``--configs`` for ``--split even``, the rows of tools/simulate_pipeline.py --ablation)."""
 # layout -> (PP, first-stage layers, last-stage layers) for the 24 layers of Qwen2.5-0.5B. The
 # 4xH200 rounds measured the output layer and loss at about 8.6 layers' worth (stage shares of

@@ -290,7 +290,7 @@ class _RunState:
 
         def stream(dataset, seed):
             batcher = build_batcher(cfg, self.latency, self.dp, per_rank)
-            batcher.stage_costs = stage_costs if cfg.batching.micro_batch_count_objective == "simulated" else None
+            batcher.stage_costs = stage_costs if cfg.batching.prices_stages() else None
             sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_size, batcher, seed=seed)
             return GlobalBatchStream(dataset, sampler, self.dp_rank)
 

@@ -344,7 +344,7 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
                       empty_unused_memory_level=cfg.training.empty_unused_memory_level)
     stage_costs = stage_costs_of(cfg, shape, latency)
     trainer.stage_costs = stage_costs if cfg.dst.dst_growth == "critical-path" else None
-    batcher.stage_costs = stage_costs if cfg.batching.micro_batch_count_objective == "simulated" else None
+    batcher.stage_costs = stage_costs if cfg.batching.prices_stages() else None
     evaluator = Evaluator(cfg, trainer, batcher) if cfg.eval.enabled else None  # before a resume changes the batcher
     # Bytes are counted per stage; a replica is all its pipeline stages.
     pp_group = parallel_state.get_pipeline_model_parallel_group()

@@ -130,8 +130,8 @@ def test_ablation_with_an_output_only_last_stage():
     assert per_token > 7 * layer_per_token  # the premise of the case
     rng = np.random.default_rng(0)
     batches = [sample_lengths("bimodal", 16, 65536, rng).tolist() for _ in range(3)]
-    configs = {"baseline": ("none", "fixed", "none", "bubble", "even"),
-               "baseline+split": ("none", "fixed", "none", "bubble", "auto")}
+    configs = {"baseline": ("none", "fixed", "none", "bubble", "even", "light-ends"),
+               "baseline+split": ("none", "fixed", "none", "bubble", "auto", "light-ends")}
     run = lambda split: simulate_ablation_case(batches, latency, shape, 4, 1, 2, 32, 0.1, 128, 131072, 6, per_token, 1,
                                                configs=configs, auto_split=split)
     alone, with_a_layer = run([8, 8, 8, 0]), run([7, 8, 8, 1])

@@ -112,23 +112,26 @@ def simulate_configs(batches, latency, pp: int, dp: int, micro_batches: int, k_b
 
 
 # issue 43's ablation: name -> (batching, micro-batch count (fixed, or the objective choosing it),
-# DST anchor, DST growth, split). "+x" rows add one piece to sab+dst; "all" has every piece, with
-# the count objective that simulates better ("all-hydraulis-count": with Hydraulis's own).
+# DST anchor, DST growth, split, micro-batch order). "+x" rows add one piece to sab+dst; "all" has
+# every piece of the first round, with the count objective that simulates better
+# ("all-hydraulis-count": with Hydraulis's own); "all+order" adds the simulated order.
 ABLATION = {
-    "baseline": ("none", "fixed", "none", "bubble", "even"),
-    "lbb": ("lbb", "fixed", "none", "bubble", "even"),
-    "sab": ("sab", "fixed", "none", "bubble", "even"),
-    "dst": ("none", "fixed", "mean", "bubble", "even"),
-    "sab+dst": ("sab", "fixed", "mean", "bubble", "even"),
-    "+split": ("sab", "fixed", "mean", "bubble", "auto"),
-    "+hydraulis": ("hydraulis", "hydraulis", "mean", "bubble", "even"),
-    "+hydraulis-fixed-count": ("hydraulis", "fixed", "mean", "bubble", "even"),
-    "+hydraulis-simulated-count": ("hydraulis", "simulated", "mean", "bubble", "even"),
-    "+critical-path": ("sab", "fixed", "mean", "critical-path", "even"),
-    "all": ("hydraulis", "simulated", "mean", "critical-path", "auto"),
-    "all-hydraulis-count": ("hydraulis", "hydraulis", "mean", "critical-path", "auto"),
-    "all-fixed-count": ("hydraulis", "fixed", "mean", "critical-path", "auto"),
-    "baseline+split": ("none", "fixed", "none", "bubble", "auto"),
+    "baseline": ("none", "fixed", "none", "bubble", "even", "light-ends"),
+    "lbb": ("lbb", "fixed", "none", "bubble", "even", "light-ends"),
+    "sab": ("sab", "fixed", "none", "bubble", "even", "light-ends"),
+    "dst": ("none", "fixed", "mean", "bubble", "even", "light-ends"),
+    "sab+dst": ("sab", "fixed", "mean", "bubble", "even", "light-ends"),
+    "+split": ("sab", "fixed", "mean", "bubble", "auto", "light-ends"),
+    "+hydraulis": ("hydraulis", "hydraulis", "mean", "bubble", "even", "light-ends"),
+    "+hydraulis-fixed-count": ("hydraulis", "fixed", "mean", "bubble", "even", "light-ends"),
+    "+hydraulis-simulated-count": ("hydraulis", "simulated", "mean", "bubble", "even", "light-ends"),
+    "+critical-path": ("sab", "fixed", "mean", "critical-path", "even", "light-ends"),
+    "+order": ("sab", "fixed", "mean", "bubble", "even", "simulated"),
+    "all": ("hydraulis", "simulated", "mean", "critical-path", "auto", "light-ends"),
+    "all+order": ("hydraulis", "simulated", "mean", "critical-path", "auto", "simulated"),
+    "all-hydraulis-count": ("hydraulis", "hydraulis", "mean", "critical-path", "auto", "light-ends"),
+    "all-fixed-count": ("hydraulis", "fixed", "mean", "critical-path", "auto", "light-ends"),
+    "baseline+split": ("none", "fixed", "none", "bubble", "auto", "light-ends"),
 }
 LAYOUTS = {"pp4dp1": (4, 1), "pp2dp2": (2, 2)}
 
@@ -154,11 +157,11 @@ def simulate_ablation_case(batches, latency, shape, pp: int, dp: int, mbs: int, 
     even = [shape.num_layers // pp] * pp
     floor = FlatRouterCoverage(k_base, p, block_size) if p is not None else None
     out = {}
-    for name, (batching, count, anchor, growth, split_mode) in configs.items():
+    for name, (batching, count, anchor, growth, split_mode, order) in configs.items():
         split = list(auto_split) if split_mode == "auto" else even
         stages = StageCostModel([n / table_layers for n in split], 1.0, per_token_last)
         batcher = SparsityAwareBatcher(batching, dp, m, latency_model=latency, k_base=k_base,
-                                       micro_batch_tokens=micro_batch_tokens, pipeline_stages=pp,
+                                       micro_batch_tokens=micro_batch_tokens, pipeline_stages=pp, order=order,
                                        variable_micro_batches=count != "fixed",
                                        count_objective="hydraulis" if count == "fixed" else count)
         batcher.stage_costs = stages
