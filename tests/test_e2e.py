@@ -47,7 +47,7 @@ def test_e2e_smoke_run_and_merge(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "benchmarks.e2e",
            "--layout", "pp2dp1", "--model", "tiny", "--num-layers", "3", "--last-stage-layers", "1",
            "--seq-length", "1024", "--moba-block-size", "64", "--moba-topk", "4", "--dists", "bimodal",
-           "--configs", "baseline", "sab+dst", "all", "--prewarm", "baseline", "--iters", "2", "--global-batch-size", "8", "--out", out,
+           "--configs", "baseline", "sab+dst", "all+order", "--prewarm", "baseline", "--iters", "2", "--global-batch-size", "8", "--out", out,
            "--extra", "--untie-embeddings-and-output-weights", "--mock-vocab-size", "512"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -55,19 +55,23 @@ def test_e2e_smoke_run_and_merge(tmp_path):
     with open(os.path.join(out, "e2e_cpu_pp2dp1.json")) as f:
         result = json.load(f)
     rows = {r["config"]: r for r in result["rows"]}
-    assert set(rows) == {"baseline", "sab+dst", "all"}
+    assert set(rows) == {"baseline", "sab+dst", "all+order"}  # all+order: every balance piece
     for r in rows.values():
         # issue 43's schema: the split run, micro-batches per replica per measured iteration, weights
         assert sum(r["split"]) == 3 and len(r["split"]) == 2 and r["weights"] == "random"
         assert len(r["micro_batches"]) == 2 and all(len(it) == 1 and it[0] >= 1 for it in r["micro_batches"])
         for key in ("dist", "layout", "config", "iter_ms", "imbalance", "bubble", "overhead_ms", "speedup", "mean_budget",
-                    "mean_coverage", "loss", "simulated_iter_ms", "predicted_ms", "pipeline_ms"):
+                    "mean_coverage", "loss", "lm_loss", "simulated_iter_ms", "predicted_ms", "pipeline_ms"):
             assert key in r, key
         assert r["imbalance"] >= 1.0 and 0.0 <= r["bubble"] < 1.0 and r["iter_ms"] >= r["pipeline_ms"] > 0
         # The simulator replays the measured spans: it cannot exceed the measured schedule by much.
         assert 0.5 * r["pipeline_ms"] < r["simulated_iter_ms"] < 1.1 * r["pipeline_ms"]
     assert rows["baseline"]["speedup"] == 1.0 and rows["baseline"]["mean_budget"] == 4.0
     assert rows["sab+dst"]["overhead_ms"] > 0
+    # Under --variable-micro-batches the schedule trains on the global batch's per-token loss, which
+    # lm_loss reports for every configuration.
+    assert rows["all+order"]["loss"] == pytest.approx(rows["all+order"]["lm_loss"], rel=1e-9)
+    assert all(r["lm_loss"] > 0 for r in rows.values())
     assert rows["baseline"]["split"] == [2, 1] and rows["baseline"]["micro_batches"] == [[4], [4]]
     assert set(result["ideal"]["bimodal"]) >= {"baseline", "sab", "dst", "sab+dst"}
     assert len(result["iterations"]["bimodal/baseline"]) == 2
