@@ -560,8 +560,8 @@ def simulated_order(stage_loads: Sequence[Sequence[float]], start: Sequence[int]
     loads: with the output layer on the last stage, a pack of many short samples costs the last
     stage as much as one long document of the same tokens but the others far less, and which of
     the two opens or closes the pipeline changes the warm-up and cool-down. On the 4xH200 64K
-    bimodal runs (PP=4, measured per-stage times) the best order of each iteration was 3-6%
-    shorter than light-ends', and these swaps reached most of it. Each pass tries every pair of
+    runs (PP=4, measured per-stage times) the best order of each iteration was 1-6% shorter
+    than the order that ran, most on bimodal data, and these swaps reached most of it. Each pass tries every pair of
     positions and keeps a swap that shortens the simulated iteration; it stops after a pass
     without one, or after ``passes``. About ``passes * m^2 / 2`` simulations of 50 us at
     ``P = 4, m = 8``: a few ms per replica and global batch, on the host.
