@@ -264,7 +264,7 @@ def summarize(dist: str, layout: str, config: str, iterations: list, dp: int, mo
         # Dense attention has no budget and no coverage.
         mean_budget=mean(mean(it["budgets"]) for it in iterations) if config != "dense" else None,
         mean_coverage=mean(mean(it["coverage"]) for it in iterations) if config != "dense" else None,
-        loss=iterations[-1]["loss"], lm_loss=iterations[-1].get("lm_loss"),
+        loss=iterations[-1]["loss"], lm_loss=iterations[-1]["lm_loss"],
         tflops_per_gpu=mean(it["tflops_per_gpu"] for it in iterations),
         predicted_ms=mean(simulate_predicted(it, pp, dp, shares) for it in iterations),
         simulated_iter_ms=mean(simulate_measured(it) for it in iterations),

@@ -110,15 +110,14 @@ def _choose_pipeline_split(cfg: SparseBalanceConfig, shape, latency, lengths, is
     stage holding the output layer alone, --pipeline-model-parallel-layout) from the predicted
     stage costs of the data's first global batches (the same on every rank: no communication)."""
     from megatron_sparsebalance.balance.split import run_split
-    from megatron_sparsebalance.training.step import layout_of_split
 
     pp = cfg.parallel.pipeline_model_parallel_size
     if pp < 2:
         return
     choice = run_split(shape, pp, cfg.training.micro_batch_size, cfg.training.global_batch_size, lengths,
                        cfg.sparse.moba_topk, latency, cfg.sparse.moba_block_size)
-    if choice.last == 0:  # the output layer and loss alone on the last stage: a layout
-        cfg.parallel.pipeline_model_parallel_layout = layout_of_split(choice.split)
+    if choice.layout is not None:  # the output layer and loss alone on the last stage
+        cfg.parallel.pipeline_model_parallel_layout = choice.layout
     else:
         cfg.parallel.decoder_first_pipeline_num_layers, cfg.parallel.decoder_last_pipeline_num_layers = choice.first, choice.last
     if is_logger:

@@ -1,7 +1,7 @@
 """The automatic pipeline split (balance/split.py) on cases worked by hand."""
 import pytest
 
-from megatron_sparsebalance.balance.split import LayerCosts, choose_split, resolve_split_flags, stage_costs_from_model
+from megatron_sparsebalance.balance.split import LayerCosts, SplitConfig, choose_split, stage_costs_from_model
 from megatron_sparsebalance.training.model import MODEL_PRESETS
 from megatron_sparsebalance.training.step import pipeline_layer_split
 
@@ -27,7 +27,7 @@ def test_both_ends_when_one_flag_cannot_split_evenly():
     choice = choose_split(8, 4, LayerCosts(layer_ms=1.0, output_ms=3.0))
     assert (choice.first, choice.last, choice.split) == (2, 0, [2, 3, 3, 0])
     assert max(choice.stage_ms) == 3.0 and choice.even_max_ms == 5.0
-    assert choice.flags() == ["--pipeline-model-parallel-layout", "Et*2|t*3|t*3|L"]
+    assert choice.flags() == ["--pipeline-model-parallel-layout", "Et*2|t*3|t*3|L"] == ["--pipeline-model-parallel-layout", choice.layout]
 
 
 def test_an_output_layer_lighter_than_a_stage_keeps_a_layer_on_the_last_stage():
@@ -61,8 +61,11 @@ def test_costs_from_the_analytic_model_put_fewer_layers_on_the_last_stage():
 
 def test_auto_refuses_a_hand_split():
     with pytest.raises(ValueError, match="--decoder-pipeline-split auto"):
-        resolve_split_flags("auto", 24, 4, None, 2, lambda: LayerCosts(1.0))
+        SplitConfig("auto").validate(None, 2)
+    with pytest.raises(ValueError, match="--decoder-pipeline-split auto"):
+        SplitConfig("auto").validate(layout="Et*8|t*8|t*8|L")
     with pytest.raises(ValueError, match="--decoder-pipeline-split must be one of"):
-        resolve_split_flags("uneven", 24, 4, None, None, lambda: LayerCosts(1.0))
-    assert resolve_split_flags("even", 24, 4, 7, 1, None) == (7, 1)
-    assert resolve_split_flags("auto", 24, 4, None, None, lambda: LayerCosts(1.0, output_ms=5.0)) == (None, 3)
+        SplitConfig("uneven").validate()
+    SplitConfig("even").validate(7, 1)  # even: the hand split stands
+    choice = choose_split(24, 4, LayerCosts(1.0, output_ms=5.0))
+    assert (choice.first, choice.last, choice.layout) == (None, 3, None)

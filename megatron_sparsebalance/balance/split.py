@@ -68,11 +68,19 @@ class SplitChoice:
     def even_max_ms(self) -> float:
         return max(self.even_stage_ms)
 
-    def flags(self) -> list[str]:
-        if self.last == 0:  # the output layer and loss alone: only a layout says it
-            from megatron_sparsebalance.training.step import layout_of_split
+    @property
+    def layout(self) -> Optional[str]:
+        """The ``--pipeline-model-parallel-layout`` of a last stage holding the output layer and
+        loss alone, which only a layout says; None for a split the two end-stage flags say."""
+        if self.last != 0:
+            return None
+        from megatron_sparsebalance.training.step import layout_of_split
 
-            return ["--pipeline-model-parallel-layout", layout_of_split(self.split)]
+        return layout_of_split(self.split)
+
+    def flags(self) -> list[str]:
+        if self.layout is not None:
+            return ["--pipeline-model-parallel-layout", self.layout]
         out = []
         if self.first is not None:
             out += ["--decoder-first-pipeline-num-layers", str(self.first)]
@@ -171,23 +179,6 @@ def stage_costs_from_model(shape, micro_batches: Sequence[Sequence[int]], k: int
         scale = layer / a_layer
     output = a_output * scale if output_ms_per_token is None else output_ms_per_token * sum(map(sum, micro_batches))
     return LayerCosts(layer, a_embed * scale, output)
-
-
-def resolve_split_flags(mode: str, num_layers: int, pp: int, first: Optional[int], last: Optional[int],
-                        costs_fn) -> tuple:
-    """``(first, last)`` for the run: the flags as given under ``even``; under ``auto`` the chosen
-    split (``costs_fn()`` gives the :class:`LayerCosts`), refused when a split is also given by hand."""
-    if mode not in SPLIT_MODES:
-        raise ValueError(f"--decoder-pipeline-split must be one of {SPLIT_MODES}, got {mode!r}")
-    if mode == "even":
-        return first, last
-    if first is not None or last is not None:
-        raise ValueError("--decoder-pipeline-split auto chooses --decoder-first/last-pipeline-num-layers itself: "
-                         "give one or the other")
-    if pp < 2:
-        return None, None
-    choice = choose_split(num_layers, pp, costs_fn())
-    return choice.first, choice.last
 
 
 @dataclass
