@@ -44,7 +44,7 @@ test-gpu:
 	$(PYTHON) -c "from megatron_sparsebalance.compat import MEGATRON_CORE_VERSION, HAVE_MEGATRON_TRAINING as t; print(f'make test-gpu: megatron-core {MEGATRON_CORE_VERSION}' + (' with megatron.training' if t else ''))"
 	$(PYTHON) -m pytest -q -m "gpu" tests
 
-# The same on a 4-GPU machine in four groups, two at a time (tools/test_gpu_parallel.sh).
+# The same on a 4-GPU machine: two multi-process groups at once, then the kernel grid over three GPUs beside the rest (tools/test_gpu_parallel.sh).
 test-gpu-parallel:
 	MSB_CUDA=1 MAX_JOBS=$${MAX_JOBS:-16} $(PYTHON) setup.py -q build_ext --inplace
 	PYTHON=$(PYTHON) bash tools/test_gpu_parallel.sh
