@@ -483,7 +483,8 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
         merged["gpu"] = part.get("gpu", merged["gpu"])
         merged["torch"] = part.get("torch", merged["torch"])
         source = os.path.basename(path)
-        merged["rows"] += [r for r in part["rows"] if not is_excluded(r, exclude, source)]
+        # Each row names its file: a merged table may join rows of runs planned with different tables.
+        merged["rows"] += [dict(r, source=source) for r in part["rows"] if not is_excluded(r, exclude, source)]
         # Files of other weights than random init (--weights) keep their ideals and timelines apart.
         weights = part["setup"].get("weights")
         label = f"/{weights}" if weights not in (None, "random") else ""

@@ -374,6 +374,7 @@ class EvalFlags:
 ATTENTION_BACKENDS = ("auto", "local")
 REFUSED_ATTENTION_BACKENDS = ("flash", "fused", "unfused")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
 
 
 @dataclass
@@ -400,6 +401,12 @@ class MegatronLMFlags:
     reset_attention_mask: bool = False
     """Accepted for Megatron-LM scripts: attention never crosses the samples of a THD pack (per-sample
     cu_seqlens), with or without this flag."""
+    cross_entropy_loss_fusion: bool = False
+    """The loss in megatron-core's fused vocab-parallel cross entropy: fewer passes over the logits, a
+    cheaper output layer (which the latency model, the automatic split and DST's stage costs price)."""
+    cross_entropy_fusion_impl: str = "native"
+    """With --cross-entropy-loss-fusion: native (megatron-core's, torch.compile'd) or te (Transformer
+    Engine's, where it imports)."""
 
     def validate(self) -> "MegatronLMFlags":
         if self.transformer_impl not in TRANSFORMER_IMPLS:
@@ -412,6 +419,16 @@ class MegatronLMFlags:
                              "fused attention kernels, which SparseBalance's core attention replaces: use auto or local")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be auto or local, got {self.attention_backend!r}")
+        if self.cross_entropy_fusion_impl not in CROSS_ENTROPY_FUSION_IMPLS:
+            raise ValueError(f"--cross-entropy-fusion-impl must be native or te, got {self.cross_entropy_fusion_impl!r}")
+        if self.cross_entropy_fusion_impl == "te":
+            # The default (native) cannot be told from a given one; te can, and alone it would do nothing.
+            if not self.cross_entropy_loss_fusion:
+                raise ValueError("--cross-entropy-fusion-impl te chooses the fused loss's kernel: it needs "
+                                 "--cross-entropy-loss-fusion")
+            if not HAVE_TE:
+                raise ValueError("--cross-entropy-fusion-impl te needs Transformer Engine, which does not import "
+                                 "here: use --cross-entropy-fusion-impl native")
         return self
 
 

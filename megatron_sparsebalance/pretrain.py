@@ -115,7 +115,8 @@ def _choose_pipeline_split(cfg: SparseBalanceConfig, shape, latency, lengths, is
     if pp < 2:
         return
     choice = run_split(shape, pp, cfg.training.micro_batch_size, cfg.training.global_batch_size, lengths,
-                       cfg.sparse.moba_topk, latency, cfg.sparse.moba_block_size)
+                       cfg.sparse.moba_topk, latency, cfg.sparse.moba_block_size,
+                       fused_cross_entropy=cfg.megatron_lm.cross_entropy_loss_fusion)
     if choice.layout is not None:  # the output layer and loss alone on the last stage
         cfg.parallel.pipeline_model_parallel_layout = choice.layout
     else:
@@ -157,7 +158,8 @@ def stage_costs_of(cfg: SparseBalanceConfig, shape, latency):
     from megatron_sparsebalance.balance.split import stage_cost_model
 
     return stage_cost_model(shape, cfg.pipeline_layer_split(shape), cfg.sparse.moba_topk, latency,
-                            cfg.sparse.moba_block_size, cfg.data.seq_length)
+                            cfg.sparse.moba_block_size, cfg.data.seq_length,
+                            fused_cross_entropy=cfg.megatron_lm.cross_entropy_loss_fusion)
 
 
 def iteration_flops(cfg: SparseBalanceConfig, micro_batch_lengths, budgets) -> float:
@@ -339,6 +341,8 @@ def pretrain(cfg: SparseBalanceConfig, on_iteration=None) -> list:
                       # normalization, so --variable-micro-batches turns it on.
                       calculate_per_token_loss=(cfg.training.calculate_per_token_loss
                                                 or cfg.batching.variable_micro_batches),
+                      cross_entropy_loss_fusion=cfg.megatron_lm.cross_entropy_loss_fusion,
+                      cross_entropy_fusion_impl=cfg.megatron_lm.cross_entropy_fusion_impl,
                       use_transformer_engine=cfg.megatron_lm.transformer_impl == "transformer_engine",
                       empty_unused_memory_level=cfg.training.empty_unused_memory_level)
     stage_costs = stage_costs_of(cfg, shape, latency)

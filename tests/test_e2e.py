@@ -79,7 +79,8 @@ def test_e2e_smoke_run_and_merge(tmp_path):
 
     assert main(["--merge", os.path.join(out, "e2e_cpu_pp2dp1.json"), "--out", out, "--tag", "cpu"]) == 0
     with open(os.path.join(out, "e2e_cpu.json")) as f:
-        assert len(json.load(f)["rows"]) == 3
+        merged_rows = json.load(f)["rows"]
+    assert len(merged_rows) == 3 and {r["source"] for r in merged_rows} == {"e2e_cpu_pp2dp1.json"}
     assert os.path.exists(os.path.join(out, "e2e_speedup_cpu.png"))
     assert os.path.exists(os.path.join(out, "e2e_timeline_cpu_pp2dp1_bimodal.png"))
 

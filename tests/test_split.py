@@ -59,6 +59,30 @@ def test_costs_from_the_analytic_model_put_fewer_layers_on_the_last_stage():
     assert choice.split[-1] < 6 and choice.max_ms < choice.even_max_ms
 
 
+def test_a_table_prices_the_layers_and_leaves_the_output_term_its_own():
+    """A table whose layers run at half the analytic model's cost (faster attention kernels) halves
+    the layer cost and leaves the output layer's term as the analytic model prices it on the
+    table's GPU: the kernels' speed is not the output GEMM's or the cross entropy's (measured on
+    4xH200, balance/split.py). The output-only last stage then weighs more against the layers."""
+    from megatron_sparsebalance.balance.latency import AnalyticLatencyModel
+
+    shape = MODEL_PRESETS["qwen2.5-0.5b"]
+    mbs = [[65536], [32768, 32768]]
+
+    class HalfCostTable:
+        metadata = {"layers_per_stage": 6, "gpu": "NVIDIA H100 80GB HBM3"}
+
+        def predict(self, lengths, k):
+            return 0.5 * 6 * AnalyticLatencyModel(shape, 1, hardware="h100").predict(lengths, k)
+
+    analytic = stage_costs_from_model(shape, mbs, 32, hardware="h100")
+    table = stage_costs_from_model(shape, mbs, 32, HalfCostTable())  # its GPU read from the metadata
+    assert table.layer_ms == pytest.approx(0.5 * analytic.layer_ms)
+    assert table.output_ms == pytest.approx(analytic.output_ms) and table.embedding_ms == pytest.approx(analytic.embedding_ms)
+    assert table.output_ms != pytest.approx(stage_costs_from_model(shape, mbs, 32, hardware="h200").output_ms)
+    assert choose_split(24, 4, table).split == [8, 8, 8, 0]
+
+
 def test_auto_refuses_a_hand_split():
     with pytest.raises(ValueError, match="--decoder-pipeline-split auto"):
         SplitConfig("auto").validate(None, 2)

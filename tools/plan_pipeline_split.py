@@ -62,6 +62,8 @@ def main(argv=None) -> dict:
     p.add_argument("--stage-costs", default=None, metavar="FILE:KEY",
                    help="the output layer's per-token cost fitted on a measured run (stage_costs of a "
                         "benchmarks/e2e.py results file); default: the analytic model's output-layer term")
+    p.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="the run's loss is megatron-core's fused cross entropy (Megatron-LM's flag): a cheaper output layer")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", action="store_true", help="print the choice as JSON")
     args = p.parse_args(argv)
@@ -71,7 +73,8 @@ def main(argv=None) -> dict:
                    args.seed)
     costs = stage_costs_from_model(shape, mbs, args.moba_topk, latency,
                                    output_ms_per_token=output_per_token(args.stage_costs) if args.stage_costs else None,
-                                   block_size=args.moba_block_size, tensor_parallel_size=args.tp)
+                                   block_size=args.moba_block_size, tensor_parallel_size=args.tp,
+                                   fused_cross_entropy=args.cross_entropy_loss_fusion)
     choice = choose_split(shape.num_layers, args.pp, costs)
     result = {"costs": costs.to_dict(), **choice.to_dict(), "flags": choice.flags()}
     if args.json:

@@ -195,12 +195,16 @@ def ablation(args) -> list:
         for layout in args.layouts:
             pp, dp = LAYOUTS[layout]
             table_layers = shape.num_layers // pp
+            def output_term(fused):  # the analytic model's output layer and loss, ms per token
+                plain = AnalyticLatencyModel(shape, table_layers, block_size=args.moba_block_size, hardware="h200")
+                probe = AnalyticLatencyModel(shape, table_layers, block_size=args.moba_block_size, hardware="h200",
+                                             post_process=True, fused_cross_entropy=fused)
+                return (probe.predict([args.seq_length], args.moba_topk)
+                        - plain.predict([args.seq_length], args.moba_topk)) / args.seq_length
+
             if table is None:
                 latency = AnalyticLatencyModel(shape, table_layers, block_size=args.moba_block_size, hardware="h200")
-                probe = AnalyticLatencyModel(shape, table_layers, block_size=args.moba_block_size, hardware="h200",
-                                             post_process=True)
-                per_token = (probe.predict([args.seq_length], args.moba_topk)
-                             - latency.predict([args.seq_length], args.moba_topk)) / args.seq_length
+                per_token = output_term(args.cross_entropy_loss_fusion)
                 source = "analytic output-layer term"
             else:
                 path = table if pp == 4 else table.replace(".json", f"_pp{pp}.json")
@@ -210,6 +214,11 @@ def ablation(args) -> list:
                     fitted = json.load(f)["stage_costs"][f"{layout}/bimodal"]
                 per_token = fitted["per_token_last"] / fitted["scale"]
                 source = f"{args.stage_costs_file}:{layout}/bimodal (measured)"
+                if args.cross_entropy_loss_fusion:
+                    # The measured runs' loss was unfused: their output cost scaled by the analytic
+                    # model's fused / unfused ratio (a prediction until a fused run is measured).
+                    per_token *= output_term(True) / output_term(False)
+                    source += " x analytic fused/unfused"
             for dist in args.dists:
                 rng = np.random.default_rng(args.seed)
                 batches = [sample_lengths(dist, args.global_batch_size, args.seq_length, rng).tolist()
@@ -309,6 +318,8 @@ def main(argv=None):
                         "(+split, all, baseline+split), instead of choose_split's; a last stage of 0 layers holds "
                         "the output layer and loss alone (Megatron-LM: --pipeline-model-parallel-layout "
                         "\"Et*8|t*8|t*8|L\"; our training entries take no such split yet)")
+    p.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="with --ablation: price the output layer with megatron-core's fused cross entropy")
     p.add_argument("--stage-costs-file", default="benchmarks/results/e2e_h200x4.json",
                    help="with --ablation and --latency-table: the measured output-layer cost per token (stage_costs)")
     args = p.parse_args(argv)

@@ -465,6 +465,13 @@ HARDWARE = {
 # logits, softmax and gradient, 16, priced Qwen2.5-0.5B's output layer at ~4.8 of its layers at
 # 64K; the 4xH200 stage shares measure ~12, and its fitted per-token cost 3.9 us against 3.9 us here.)
 _LOSS_BYTES_PER_LOGIT = 2 + (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4) + (4 + 4) + (4 + 2) + (2 + 2)
+# The same with --cross-entropy-loss-fusion (megatron-core's fused_vocab_parallel_cross_entropy,
+# each of its four steps one torch.compile'd kernel): the GEMM writes bf16 logits (2); the max
+# reads them and writes the fp32 copy it returns (2 + 4); the shift, exp and row sum in one pass
+# (4 + 4); the division into the softmax kept for backward (4 + 4); backward, the gradient scaled
+# in place and cast to bf16 in one pass, the in-place result written back too (4 + 4 + 2); read by
+# the two gradient GEMMs (2 + 2). 38 in all.
+_FUSED_LOSS_BYTES_PER_LOGIT = 2 + (2 + 4) + (4 + 4) + (4 + 4) + (4 + 4 + 2) + (2 + 2)
 _ATTN_FLOPS_PER_PAIR_UNIT = 14.0
 # Forward+backward FLOPs of a linear layer per weight per token: 2 forward, 4 backward.
 _LINEAR_FLOPS_PER_WEIGHT = 6.0
@@ -503,6 +510,8 @@ class AnalyticLatencyModel(LatencyModel):
             activations after attention and after the MLP, forward and backward; under sequence
             parallelism the same bytes as all-gathers and reduce-scatters). Default: not priced
             (online calibration absorbs them as part of the per-token cost).
+        fused_cross_entropy: the loss runs megatron-core's fused cross entropy
+            (``--cross-entropy-loss-fusion``): fewer passes over the logits on a ``post_process`` stage.
     """
 
     kind = "analytic"
@@ -519,9 +528,11 @@ class AnalyticLatencyModel(LatencyModel):
         tensor_parallel_size: int = 1,
         sequence_parallel: bool = False,
         tp_link_gbps: Optional[float] = None,
+        fused_cross_entropy: bool = False,
         **common,
     ):
         super().__init__(**common)
+        self.fused_cross_entropy = bool(fused_cross_entropy)
         self.shape = _shape_dict(shape)
         self.layers_per_stage = int(layers_per_stage)
         self.block_size = int(block_size)
@@ -552,7 +563,8 @@ class AnalyticLatencyModel(LatencyModel):
         hidden_share = 1.0 / tp if self.sequence_parallel else 1.0  # norms and residuals: SP splits their tokens
         bytes_per_token = nl * self.dtype_bytes * (_ELEMENTWISE_HIDDEN_RW * h * hidden_share + _ELEMENTWISE_FFN_RW * ffn)
         if self.post_process:
-            bytes_per_token += _LOSS_BYTES_PER_LOGIT * s["vocab_size"] / tp
+            loss_bytes = _FUSED_LOSS_BYTES_PER_LOGIT if self.fused_cross_entropy else _LOSS_BYTES_PER_LOGIT
+            bytes_per_token += loss_bytes * s["vocab_size"] / tp
         # TP collectives: 4 per layer (attention and MLP, forward and backward), each a ring moving
         # 2 (tp - 1) / tp of the layer's [tokens, h] activations per GPU.
         comm_bytes_per_token = nl * 4 * 2 * (tp - 1) / tp * h * self.dtype_bytes
@@ -598,6 +610,7 @@ class AnalyticLatencyModel(LatencyModel):
             "hardware": asdict(self.hardware), "dtype_bytes": self.dtype_bytes, "pre_process": self.pre_process,
             "post_process": self.post_process, "tensor_parallel_size": self.tensor_parallel_size,
             "sequence_parallel": self.sequence_parallel, "tp_link_gbps": self.tp_link_gbps,
+            "fused_cross_entropy": self.fused_cross_entropy,
         }
 
     @classmethod

@@ -146,39 +146,58 @@ def choose_split(num_layers: int, pp: int, costs: LayerCosts) -> SplitChoice:
 
 def stage_costs_from_model(shape, micro_batches: Sequence[Sequence[int]], k: int, latency=None,
                            layers_of_table: Optional[int] = None, output_ms_per_token: Optional[float] = None,
-                           block_size: int = 128, hardware="h200", tensor_parallel_size: int = 1) -> LayerCosts:
+                           block_size: int = 128, hardware="h200", tensor_parallel_size: int = 1,
+                           fused_cross_entropy: bool = False) -> LayerCosts:
     """The :class:`LayerCosts` of running ``micro_batches`` (their packed lengths) at budget ``k``.
 
     ``latency``: a latency model of one stage of ``layers_of_table`` transformer layers (a
     profiled table's ``layers_per_stage``); its prediction per layer is the layer cost. Without
     it, the analytic model of one layer. The embedding and the output layer (+ loss) are the
     analytic model's terms (difference between a stage with and without ``pre_process`` /
-    ``post_process``), scaled to the table by the ratio of the table's layer cost to the analytic
-    one, so both are in the same units; ``output_ms_per_token`` (fitted on a measured run, in the
-    table's units) replaces the analytic output term. Priced uncalibrated: the split must not
-    depend on how fast the last steps ran.
+    ``post_process``) on ``hardware`` (a table's own device where its metadata names an H100, an
+    H200 or a CPU), in ms as the table's; ``output_ms_per_token`` (fitted on a measured run, in the
+    table's units) replaces the analytic output term; ``fused_cross_entropy``: the run's loss is
+    megatron-core's fused cross entropy (``--cross-entropy-loss-fusion``), a cheaper output term.
+    Priced uncalibrated: the split must not depend on how fast the last steps ran.
     """
     from megatron_sparsebalance.balance.latency import AnalyticLatencyModel
 
+    hardware = hardware_of_table(latency, hardware)
+
     def analytic(pre=False, post=False):
         return AnalyticLatencyModel(shape, 1, block_size=block_size, hardware=hardware, pre_process=pre,
-                                    post_process=post, tensor_parallel_size=tensor_parallel_size)
+                                    post_process=post, tensor_parallel_size=tensor_parallel_size,
+                                    fused_cross_entropy=fused_cross_entropy)
 
     one, first, last = analytic(), analytic(pre=True), analytic(post=True)
     a_layer = sum(one.predict(mb, k) for mb in micro_batches)
     a_embed = sum(first.predict(mb, k) - one.predict(mb, k) for mb in micro_batches)
     a_output = sum(last.predict(mb, k) - one.predict(mb, k) for mb in micro_batches)
     if latency is None:
-        layer, scale = a_layer, 1.0
+        layer = a_layer
     else:
         model = latency.uncalibrated() if hasattr(latency, "uncalibrated") else latency
         per = layers_of_table or getattr(latency, "layers_per_stage", None) or (latency.metadata or {}).get("layers_per_stage")
         if not per:
             raise ValueError("the latency table records no layers_per_stage: give layers_of_table")
         layer = sum(model.predict(mb, k) for mb in micro_batches) / per
-        scale = layer / a_layer
-    output = a_output * scale if output_ms_per_token is None else output_ms_per_token * sum(map(sum, micro_batches))
-    return LayerCosts(layer, a_embed * scale, output)
+    # The embedding and output terms stay the analytic model's own, not scaled by the table's layer
+    # cost over the analytic one: that ratio is the attention kernels' speed (0.85 for the CUDA
+    # kernels' 4xH200 table), which the output GEMM and the memory-bound cross entropy do not share.
+    # Measured on 4xH200 (0.5B, 64K, PP=4): the output layer and loss cost 3.75-3.80 us per token
+    # (the runs' fitted stage costs), the analytic term 3.9; scaled, 3.3 put the output-only stage
+    # at 9.6 layers' worth against the 11-12 its busy time measured.
+    output = a_output if output_ms_per_token is None else output_ms_per_token * sum(map(sum, micro_batches))
+    return LayerCosts(layer, a_embed, output)
+
+
+def hardware_of_table(latency, default="h200"):
+    """The analytic model's hardware for terms priced beside ``latency``: its table's device (from
+    the metadata) where that is an H100, an H200 or a CPU, else ``default``."""
+    device = str(((getattr(latency, "metadata", None) or {}).get("gpu")) or "").lower()
+    if device == "cpu":
+        return "cpu"
+    return next((key for key in ("h100", "h200") if key in device), default)
 
 
 @dataclass
@@ -203,7 +222,7 @@ class SplitConfig:
 
 
 def run_split(shape, pp: int, micro_batch_size: int, global_batch_size: int, lengths: Sequence[int], k: int,
-              latency, block_size: int, global_batches: int = 8) -> SplitChoice:
+              latency, block_size: int, global_batches: int = 8, fused_cross_entropy: bool = False) -> SplitChoice:
     """The ``auto`` split of a run: its first ``global_batches`` global batches of ``lengths`` (the
     data set's, in order; deterministic, so every rank chooses the same) cut into micro-batches
     of ``micro_batch_size`` samples, priced by :func:`stage_costs_from_model`."""
@@ -211,10 +230,12 @@ def run_split(shape, pp: int, micro_batch_size: int, global_batch_size: int, len
     mbs = [sample[i:i + micro_batch_size] for i in range(0, len(sample), micro_batch_size)]
     hardware = getattr(latency, "hardware", None) or "h200"
     return choose_split(shape.num_layers, pp, stage_costs_from_model(shape, mbs, k, latency, block_size=block_size,
-                                                                     hardware=hardware))
+                                                                     hardware=hardware,
+                                                                     fused_cross_entropy=fused_cross_entropy))
 
 
-def stage_cost_model(shape, split: Sequence[int], k: int, latency, block_size: int, probe_tokens: int):
+def stage_cost_model(shape, split: Sequence[int], k: int, latency, block_size: int, probe_tokens: int,
+                     fused_cross_entropy: bool = False):
     """Per-stage costs of ``split`` for DST's ``critical-path`` growth and the simulator: each
     stage its layers' share of the latency model's one-stage prediction (the model is of
     ``num_layers // pp`` layers) plus, on the last stage, the output layer and loss per token (the
@@ -224,5 +245,5 @@ def stage_cost_model(shape, split: Sequence[int], k: int, latency, block_size: i
     hardware = getattr(latency, "hardware", None) or "h200"
     costs = stage_costs_from_model(shape, [[int(probe_tokens)]], k, latency,
                                    layers_of_table=shape.num_layers // len(split), block_size=block_size,
-                                   hardware=hardware)
+                                   hardware=hardware, fused_cross_entropy=fused_cross_entropy)
     return StageCostModel(layer_fractions(list(split), len(split)), 1.0, costs.output_ms / probe_tokens)

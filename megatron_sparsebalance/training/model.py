@@ -147,9 +147,12 @@ def transformer_config(
     recompute: Optional[RecomputeSettings] = None,
     sequence_parallel: bool = False,
     calculate_per_token_loss: bool = False,
+    cross_entropy_loss_fusion: bool = False,
+    cross_entropy_fusion_impl: str = "native",
 ) -> TransformerConfig:
     """megatron-core's config of ``shape``; ``first/last_stage_layers`` make the pipeline uneven,
-    ``pipeline_layout`` (``--pipeline-model-parallel-layout``) places every layer instead."""
+    ``pipeline_layout`` (``--pipeline-model-parallel-layout``) places every layer instead;
+    ``cross_entropy_loss_fusion`` runs the loss in megatron-core's fused cross entropy."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     # Megatron's unfused THD RoPE costs ~110 launches per call (q and k of every layer) and our
     # machines have no Transformer Engine for its fused hook: on CUDA the hook runs our Triton
@@ -175,6 +178,8 @@ def transformer_config(
         attention_dropout=shape.attention_dropout,
         hidden_dropout=shape.hidden_dropout,
         calculate_per_token_loss=calculate_per_token_loss,
+        cross_entropy_loss_fusion=cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=cross_entropy_fusion_impl,
         bf16=bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -109,6 +109,8 @@ class Trainer:
         recompute: Optional[RecomputeSettings] = None,
         sequence_parallel: bool = False,
         calculate_per_token_loss: bool = False,
+        cross_entropy_loss_fusion: bool = False,
+        cross_entropy_fusion_impl: str = "native",
         use_transformer_engine: bool = False,
         empty_unused_memory_level: int = 0,
     ):
@@ -131,7 +133,9 @@ class Trainer:
                                          last_stage_layers=last_stage_layers, pipeline_layout=pipeline_layout,
                                          recompute=recompute,
                                          sequence_parallel=sequence_parallel,
-                                         calculate_per_token_loss=calculate_per_token_loss)
+                                         calculate_per_token_loss=calculate_per_token_loss,
+                                         cross_entropy_loss_fusion=cross_entropy_loss_fusion,
+                                         cross_entropy_fusion_impl=cross_entropy_fusion_impl)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         model = build_gpt_model(shape, sparse, self.config, max_sequence_length, **stage_flags(),
                                 use_transformer_engine=use_transformer_engine).to(device)
