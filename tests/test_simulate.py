@@ -65,7 +65,8 @@ def test_stage_costs_flag_names_what_is_wrong(capsys):
              (["--first-stage-layers", "7"], "go with --stage-costs"),
              (["--ablation-split", "8,8,8,0"], "goes with --ablation and one --layouts"),
              (["--ablation", "--layouts", "pp4dp1", "--ablation-split", "8,8,0,8"], "at least one on every stage but the last"),
-             (["--ablation", "--layouts", "pp4dp1", "--ablation-split", "8,8,8"], "4 stages of pp4dp1 holding 24 layers"))
+             (["--ablation", "--layouts", "pp4dp1", "--ablation-split", "8,8,8"], "4 stages of pp4dp1 holding 24 layers"),
+             (["--cross-entropy-loss-fusion"], "goes with --ablation"))
     for argv, says in cases:
         with pytest.raises(SystemExit) as exit_:
             main(["--gpus", "4", "--iters", "1", "--warmup", "0", *argv])
@@ -138,3 +139,23 @@ def test_ablation_with_an_output_only_last_stage():
     assert alone["baseline+split"]["split"] == [8, 8, 8, 0] and alone["baseline"]["split"] == [6, 6, 6, 6]
     assert alone["baseline"]["iter_ms"] == with_a_layer["baseline"]["iter_ms"]
     assert alone["baseline+split"]["iter_ms"] < with_a_layer["baseline+split"]["iter_ms"] < alone["baseline"]["iter_ms"]
+
+
+def test_ablation_with_the_fused_loss_prices_a_cheaper_output_layer(tmp_path):
+    """--cross-entropy-loss-fusion: both models' output term shrinks by the analytic fused / unfused
+    ratio (the profiled one scales its measured, unfused cost by it), so every even-split baseline,
+    whose last stage carries the output layer, runs faster than without the flag."""
+    import json
+
+    from tools.simulate_pipeline import main
+
+    def rows(*extra):
+        out = tmp_path / f"ablation{len(extra)}.json"
+        main(["--ablation", "--layouts", "pp4dp1", "--dists", "bimodal", "--iters", "2", "--warmup", "1",
+              "--latency-table", "benchmarks/results/e2e/latency_table_h200.json", "--out", str(out), *extra])
+        return {(r["model"], r["config"]): r for r in json.loads(out.read_text())["rows"]}
+
+    plain, fused = rows(), rows("--cross-entropy-loss-fusion")
+    for model in ("analytic", "profiled"):
+        assert fused[model, "baseline"]["iter_ms"] < 0.95 * plain[model, "baseline"]["iter_ms"], model
+    assert fused["profiled", "baseline"]["output_cost"].endswith("x analytic fused/unfused")
