@@ -551,6 +551,24 @@ def pipeline_order(loads: Sequence[float], rule: str = "light-ends",
     return order
 
 
+def pack_stage_loads(packs: Sequence[Sequence[int]], lengths: Sequence[int], loads: Sequence[float],
+                     stage_costs, stages: int) -> list:
+    """``[pack][stage] -> ms`` of one replica's packs (indices into ``lengths``) of predicted
+    ``loads``: each stage's cost from ``stage_costs(pack lengths, load)`` where the entry gave a
+    stage cost model, else the whole load on every stage alike."""
+    if stage_costs is None:
+        return [[load] * stages for load in loads]
+    return [stage_costs([lengths[i] for i in pack], load) for pack, load in zip(packs, loads)]
+
+
+def simulated_iteration_ms(stage_loads: Sequence[Sequence[float]], order: Sequence[int]) -> float:
+    """The simulated 1F1B iteration of one replica running its packs (``[pack][stage] -> ms``) in ``order``."""
+    from megatron_sparsebalance.pipeline.simulate import simulate_iteration
+
+    stages = len(stage_loads[0]) if stage_loads else 0
+    return simulate_iteration([[[stage_loads[j][s] for j in order] for s in range(stages)]])
+
+
 def simulated_order(stage_loads: Sequence[Sequence[float]], start: Sequence[int],
                     passes: int = ORDER_SEARCH_PASSES) -> list[int]:
     """The order of one replica's micro-batches that the simulated 1F1B finishes soonest, searched
@@ -566,24 +584,18 @@ def simulated_order(stage_loads: Sequence[Sequence[float]], start: Sequence[int]
     without one, or after ``passes``. About ``passes * m^2 / 2`` simulations of 50 us at
     ``P = 4, m = 8``: a few ms per replica and global batch, on the host.
     """
-    from megatron_sparsebalance.pipeline.simulate import simulate_iteration
-
     P = len(stage_loads[0]) if stage_loads else 0
-
-    def iteration(order):
-        return simulate_iteration([[[stage_loads[j][s] for j in order] for s in range(P)]])
-
     order = list(start)
     m = len(order)
     if m < 2 or P < 2:
         return order
-    best = iteration(order)
+    best = simulated_iteration_ms(stage_loads, order)
     for _ in range(passes):
         improved = False
         for a in range(m - 1):
             for b in range(a + 1, m):
                 order[a], order[b] = order[b], order[a]
-                t = iteration(order)
+                t = simulated_iteration_ms(stage_loads, order)
                 if t < best * (1 - 1e-9):
                     best, improved = t, True
                 else:
@@ -715,8 +727,6 @@ def choose_micro_batch_count(weights: Sequence[float], tokens: Sequence[int], pi
     P = int(pipeline_stages)
     lo = 1 if token_cap is None else max(1, math.ceil(sum(tokens) / float(token_cap) - 1e-9))
     best = None
-    from megatron_sparsebalance.pipeline.simulate import simulate_iteration
-
     for v in range(lo, n + 1):
         # Lower bounds of every larger v: the product's with the heaviest sample alone; a stage's
         # own work (all packs, each with its fixed cost) for the simulation.
@@ -731,13 +741,11 @@ def choose_micro_batch_count(weights: Sequence[float], tokens: Sequence[int], pi
         if objective == "hydraulis":
             score = max(loads) * (P - 1 + v)
         else:
-            per = ([stage_costs([tokens[i] for i in part], load) for part, load in zip(parts, loads)]
-                   if stage_costs is not None else [[load] * P for load in loads])
             # The count is scored in light-ends order even under the simulated order: searched
             # on the costs at the budgets SAB expects, the order favoured fewer, heavier packs that
             # DST could then not spread (simulated: 1.30x against 1.37x, PP=4 bimodal, profiled).
             run = pipeline_order(loads, "light-ends" if order == "simulated" else order)
-            score = simulate_iteration([[[per[j][s] for j in run] for s in range(P)]])
+            score = simulated_iteration_ms(pack_stage_loads(parts, tokens, loads, stage_costs, P), run)
         if best is None or score < best[2] * (1 - 1e-12):
             best = (v, parts, score)
     if best is None:
@@ -1038,7 +1046,9 @@ class SparsityAwareBatcher:
         for rank in ranks:
             rank_loads = [overhead + sum(cost[i] for i in mb) for mb in rank] if cost is not None else None
             key = rank_loads if rank_loads is not None else [float(sum(lengths[i] for i in mb)) for mb in rank]
-            order = pipeline_order(key, self.order, self._stage_loads(rank, key, lengths))
+            stage_loads = (pack_stage_loads(rank, lengths, key, self.stage_costs, self.pipeline_stages)
+                           if self.order == "simulated" else None)
+            order = pipeline_order(key, self.order, stage_loads)
             micro.append(tuple(tuple(ids[i] for i in rank[j]) for j in order))
             tokens.append(tuple(sum(lengths[i] for i in rank[j]) for j in order))
             if rank_loads is not None:
@@ -1048,15 +1058,6 @@ class SparsityAwareBatcher:
             micro_batches=tuple(micro), loads=tuple(loads) if cost is not None else None, tokens=tuple(tokens),
             k_estimates=None if ks is None else tuple(ks), length_of=dict(zip(ids, lengths)),
         )
-
-    def _stage_loads(self, rank: list, loads: list, lengths: list) -> Optional[list]:
-        """``[micro-batch][stage] -> ms`` of one rank's micro-batches for ``--micro-batch-order
-        simulated``: the stage cost model where the entry gave one, else every stage alike."""
-        if self.order != "simulated":
-            return None
-        if self.stage_costs is not None:
-            return [self.stage_costs([lengths[i] for i in mb], load) for mb, load in zip(rank, loads)]
-        return [[load] * self.pipeline_stages for load in loads]
 
     def _two_level(self, weights: list[float], lengths: list[int]) -> list[list[list[int]]]:
         """DP ranks first, then each rank's micro-batches (positions in the global batch).

@@ -154,8 +154,8 @@ def stage_costs_from_model(shape, micro_batches: Sequence[Sequence[int]], k: int
     profiled table's ``layers_per_stage``); its prediction per layer is the layer cost. Without
     it, the analytic model of one layer. The embedding and the output layer (+ loss) are the
     analytic model's terms (difference between a stage with and without ``pre_process`` /
-    ``post_process``) on ``hardware`` (a table's own device where its metadata names an H100, an
-    H200 or a CPU), in ms as the table's; ``output_ms_per_token`` (fitted on a measured run, in the
+    ``post_process``) on the latency model's hardware (:func:`hardware_of_table`; ``hardware``
+    where it names none), in ms as the table's; ``output_ms_per_token`` (fitted on a measured run, in the
     table's units) replaces the analytic output term; ``fused_cross_entropy``: the run's loss is
     megatron-core's fused cross entropy (``--cross-entropy-loss-fusion``), a cheaper output term.
     Priced uncalibrated: the split must not depend on how fast the last steps ran.
@@ -192,12 +192,13 @@ def stage_costs_from_model(shape, micro_batches: Sequence[Sequence[int]], k: int
 
 
 def hardware_of_table(latency, default="h200"):
-    """The analytic model's hardware for terms priced beside ``latency``: its table's device (from
-    the metadata) where that is an H100, an H200 or a CPU, else ``default``."""
+    """The analytic model's hardware for terms priced beside ``latency``: a table's device (from its
+    metadata) where that is an H100, an H200 or a CPU, else an analytic model's own hardware, else
+    ``default``."""
     device = str(((getattr(latency, "metadata", None) or {}).get("gpu")) or "").lower()
     if device == "cpu":
         return "cpu"
-    return next((key for key in ("h100", "h200") if key in device), default)
+    return next((key for key in ("h100", "h200") if key in device), None) or getattr(latency, "hardware", None) or default
 
 
 @dataclass
@@ -228,9 +229,7 @@ def run_split(shape, pp: int, micro_batch_size: int, global_batch_size: int, len
     of ``micro_batch_size`` samples, priced by :func:`stage_costs_from_model`."""
     sample = [int(n) for n in list(lengths)[:global_batches * global_batch_size]]
     mbs = [sample[i:i + micro_batch_size] for i in range(0, len(sample), micro_batch_size)]
-    hardware = getattr(latency, "hardware", None) or "h200"
     return choose_split(shape.num_layers, pp, stage_costs_from_model(shape, mbs, k, latency, block_size=block_size,
-                                                                     hardware=hardware,
                                                                      fused_cross_entropy=fused_cross_entropy))
 
 
@@ -242,8 +241,7 @@ def stage_cost_model(shape, split: Sequence[int], k: int, latency, block_size: i
     analytic term at a ``probe_tokens`` micro-batch, in the latency model's units)."""
     from megatron_sparsebalance.pipeline.simulate import StageCostModel, layer_fractions
 
-    hardware = getattr(latency, "hardware", None) or "h200"
     costs = stage_costs_from_model(shape, [[int(probe_tokens)]], k, latency,
                                    layers_of_table=shape.num_layers // len(split), block_size=block_size,
-                                   hardware=hardware, fused_cross_entropy=fused_cross_entropy)
+                                   fused_cross_entropy=fused_cross_entropy)
     return StageCostModel(layer_fractions(list(split), len(split)), 1.0, costs.output_ms / probe_tokens)
