@@ -80,7 +80,12 @@ def test_a_table_prices_the_layers_and_leaves_the_output_term_its_own():
     assert table.layer_ms == pytest.approx(0.5 * analytic.layer_ms)
     assert table.output_ms == pytest.approx(analytic.output_ms) and table.embedding_ms == pytest.approx(analytic.embedding_ms)
     assert table.output_ms != pytest.approx(stage_costs_from_model(shape, mbs, 32, hardware="h200").output_ms)
-    assert choose_split(24, 4, table).split == [8, 8, 8, 0]
+    choice = choose_split(24, 4, table)
+    assert choice.split == [8, 8, 8, 0] and choice.stage_ms[-1] == pytest.approx(table.output_ms)
+    # the balance figure: the chosen split's predicted imbalance (largest stage over the mean) is
+    # below the even split's, where the output layer rides on six layers
+    imbalance = lambda ms: max(ms) / (sum(ms) / len(ms))  # noqa: E731
+    assert imbalance(choice.stage_ms) < imbalance(choice.even_stage_ms)
 
 
 def test_auto_refuses_a_hand_split():
