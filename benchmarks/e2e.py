@@ -405,14 +405,37 @@ def run(args) -> dict:
     return result
 
 
-def add_speedups(rows: list) -> None:
-    """``speedup`` (wall) and ``pipeline_speedup`` of each row against its layout's and distribution's baseline."""
+def add_speedups(rows: list, only_missing: bool = False) -> None:
+    """``speedup`` (wall) and ``pipeline_speedup`` of each row against the baseline of its layout,
+    distribution, weights and flags (``only_missing``: of the rows that have none yet)."""
     for r in rows:
+        if only_missing and "speedup" in r:
+            continue
         base = next((b for b in rows if b["config"] == "baseline" and b["dist"] == r["dist"]
-                     and b["layout"] == r["layout"] and b.get("weights") == r.get("weights")), None)
+                     and b["layout"] == r["layout"] and b.get("weights") == r.get("weights")
+                     and b.get("flags") == r.get("flags")), None)
         if base is not None:
             r["speedup"] = base["iter_ms"] / r["iter_ms"]
             r["pipeline_speedup"] = base["pipeline_ms"] / r["pipeline_ms"]
+
+
+# --latency-table-force only lets the planner read a table profiled on another machine: a row run
+# with it measured the same step as one without.
+PLANNING_ONLY_FLAGS = ("--latency-table-force",)
+
+
+def run_flags(setup: dict) -> list:
+    """The ``--extra`` flags of a run that set what its rows measured (a merged file keys rows on them)."""
+    return [f for f in setup.get("extra") or [] if f not in PLANNING_ONLY_FLAGS]
+
+
+def variant_label(weights, flags, common=()) -> str:
+    """What tells a run's ideals and timelines apart in a merged file: ``""`` for random weights and
+    the flags every merged run passed (``common``), else ``/smollm2``, ``/cross-entropy-loss-fusion``,
+    ``/smollm2+...``."""
+    parts = [] if weights in (None, "random") else [weights]
+    parts += [f.lstrip("-") for f in flags if f not in common]
+    return "/" + "+".join(parts) if parts else ""
 
 
 def write_result(args, result: dict) -> str:
@@ -472,22 +495,33 @@ def is_excluded(row: dict, exclude, source: str | None = None) -> bool:
 def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
     """Join per-layout files into one results file (rows only, plus the ideals) and draw the figures.
 
-    ``exclude``: rows left out (a row measured in another run than the baseline it would be
-    compared with, or one measured again elsewhere), see :func:`is_excluded`."""
+    Each row keeps its speedup over its own run's baseline; a later file's row replaces an earlier
+    one of the same layout, distribution, configuration, weights and ``--extra`` flags.
+    ``exclude``: rows left out (one measured again elsewhere), see :func:`is_excluded`."""
     merged = dict(gpu=None, torch=None, rows=[], **{key: {} for key in IDEAL_KEYS}, sources=[])
     traces = {}
+    parts = []
     for path in paths:
         with open(path) as f:
-            part = json.load(f)
+            parts.append(json.load(f))
+    # Labels name only the flags that tell runs apart (every GPU run passes --manual-gc).
+    common = [f for f in run_flags(parts[0]["setup"]) if all(f in run_flags(p["setup"]) for p in parts)]
+    merged["common_flags"] = common
+    for path, part in zip(paths, parts):
         # A file cut short by a failure has no summary fields; the others name the GPU.
         merged["gpu"] = part.get("gpu", merged["gpu"])
         merged["torch"] = part.get("torch", merged["torch"])
         source = os.path.basename(path)
-        # Each row names its file: a merged table may join rows of runs planned with different tables.
-        merged["rows"] += [dict(r, source=source) for r in part["rows"] if not is_excluded(r, exclude, source)]
-        # Files of other weights than random init (--weights) keep their ideals and timelines apart.
-        weights = part["setup"].get("weights")
-        label = f"/{weights}" if weights not in (None, "random") else ""
+        flags = run_flags(part["setup"])
+        # Each row names its file and flags: a merged table may join rows of runs planned with
+        # different tables, and of runs whose step differs (--extra --cross-entropy-loss-fusion).
+        # Its speedup is over its own run's baseline, on the same global batches.
+        rows = [dict(r, source=source, flags=flags) for r in part["rows"]]
+        add_speedups(rows)
+        merged["rows"] += [r for r in rows if not is_excluded(r, exclude, source)]
+        # Files of other weights than random init (--weights) or other flags keep their ideals and
+        # timelines apart.
+        label = variant_label(part["setup"].get("weights"), flags, common)
         for dist_name in part["setup"]["dists"]:
             if f"{dist_name}/baseline" in part["iterations"]:
                 # Recomputed from the file's own records (also for a run that stopped before its
@@ -503,11 +537,12 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
                     merged[key][f"{part['layout']}/{dist_name}{label}"] = ideal[key]
         merged["sources"].append(source)
         traces.update({f"{part['layout']}{label}/{k}": v for k, v in part["traces"].items()})
-    # A later file's row replaces an earlier one of the same (layout, dist, config, weights).
+    # A later file's row replaces an earlier one of the same (layout, dist, config, weights, flags).
     # (--exclude was applied per file above: an unqualified entry drops the row in every file.)
-    merged["rows"] = list({(r["layout"], r["dist"], r["config"], r.get("weights")): r for r in merged["rows"]}.values())
+    merged["rows"] = list({(r["layout"], r["dist"], r["config"], r.get("weights"), tuple(r["flags"])): r
+                           for r in merged["rows"]}.values())
     merged["excluded"] = list(exclude)
-    add_speedups(merged["rows"])
+    add_speedups(merged["rows"], only_missing=True)  # rows of a run without its own baseline
     path = os.path.join(out_dir, f"e2e_{tag}.json")
     with open(path, "w") as f:
         json.dump(merged, f, indent=1)
@@ -525,7 +560,7 @@ def draw(merged: dict, traces: dict, out_dir: str, tag: str) -> None:
     from tools.plot_timeline import draw as draw_timeline
 
     for key, trace in traces.items():
-        where, dist_name, config = key.rsplit("/", 2)  # where: the layout, then /weights if not random
+        where, dist_name, config = key.rsplit("/", 2)  # where: the layout, then its variant_label
         if config != "baseline":
             continue
         other = traces.get(f"{where}/{dist_name}/sab+dst")
@@ -537,16 +572,19 @@ def draw(merged: dict, traces: dict, out_dir: str, tag: str) -> None:
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, f"e2e_timeline_{tag}_{where.replace('/', '_')}_{dist_name}.png"), dpi=110)
         plt.close(fig)
-    groups = sorted({(r["layout"], r["dist"], r.get("weights") or "random") for r in merged["rows"]})
+    common = merged.get("common_flags", [])
+    groups = sorted({(r["layout"], r["dist"], variant_label(r.get("weights"), r.get("flags") or [], common))
+                     for r in merged["rows"]})
     configs = [c for c in CONFIGS if any(r["config"] == c for r in merged["rows"])]
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(configs) * len(groups) / 2), 4))
+    # Capped: a merged file of ten groups drew a chart 70 inches wide.
+    fig, ax = plt.subplots(figsize=(min(24, max(8, 1.2 * len(configs) * len(groups) / 2)), 5))
     width = 0.8 / max(1, len(groups))
-    for g, (layout, dist_name, weights) in enumerate(groups):
+    for g, (layout, dist_name, variant) in enumerate(groups):
         vals = [next((r.get("speedup", float("nan")) for r in merged["rows"]
                       if r["layout"] == layout and r["dist"] == dist_name and r["config"] == c
-                      and (r.get("weights") or "random") == weights), float("nan"))
+                      and variant_label(r.get("weights"), r.get("flags") or [], common) == variant), float("nan"))
                 for c in configs]
-        label = f"{layout} {dist_name}" + (f" ({weights})" if len(groups) > 1 and weights != "random" else "")
+        label = f"{layout} {dist_name}" + (f" ({variant.lstrip('/')})" if variant else "")
         ax.bar([i + g * width for i in range(len(configs))], vals, width, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(configs))], configs, rotation=30, ha="right")

@@ -295,6 +295,14 @@ def out_of_memory_advice(cfg: SparseBalanceConfig, shape, iteration: int, length
     micro_batches = lengths[parallel_state.get_data_parallel_rank()]
     largest = max((sum(mb) for mb in micro_batches), default=0)
     what = f"{layers} layers" + (" and the output layer" if stage == pp - 1 else "")
+    fused_loss = ""
+    if stage == pp - 1 and cfg.megatron_lm.cross_entropy_loss_fusion:
+        # Measured on 4xH200 at 64K (PP=2, 12 layers and the output layer): the fused loss's
+        # compiled kernel asked for fp32 logits and ran out where the unfused loss did not.
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        gib = largest * shape.vocab_size / tp * 4 / 2**30
+        fused_loss = (f" The fused cross entropy (--cross-entropy-loss-fusion) holds this micro-batch's logits in "
+                      f"fp32 ({gib:.1f} GiB): the unfused loss peaks lower (docs/BATCHING.md).")
     return (
         f"pipeline stage {stage} of {pp} ({what}) ran out of GPU memory in iteration {iteration}, with "
         f"micro-batches of up to {largest} tokens and {min(pp - stage, len(micro_batches))} of them in flight "
@@ -303,7 +311,7 @@ def out_of_memory_advice(cfg: SparseBalanceConfig, shape, iteration: int, length
         f"--recompute-num-layers 1); fewer layers on this stage (--decoder-first-pipeline-num-layers, "
         f"--decoder-last-pipeline-num-layers); --tensor-model-parallel-size 2 --sequence-parallel; a shorter "
         f"--seq-length. Where NCCL reported it (a communicator created on its first use at the stage's peak), "
-        f"--empty-unused-memory-level 1 releases PyTorch's cache first, at a cost per iteration."
+        f"--empty-unused-memory-level 1 releases PyTorch's cache first, at a cost per iteration.{fused_loss}"
     )
 
 

@@ -113,3 +113,20 @@ def test_the_entry_prices_the_last_stage_with_the_flag():
     plain, fused = costs(), costs("--cross-entropy-loss-fusion")
     assert fused.layer_fractions == plain.layer_fractions
     assert 0.5 * plain.per_token_last < fused.per_token_last < 0.8 * plain.per_token_last
+
+
+@pytest.mark.usefixtures("gloo_world_of_one")
+def test_out_of_memory_advice_names_the_fused_loss_and_its_fp32_logits():
+    """Out of memory on the last stage under the fused loss: the advice names the flag and the fp32
+    logits of the largest micro-batch (tokens x vocabulary x 4 bytes); without it, no such line."""
+    from megatron_sparsebalance.config import build_parser, config_from_args
+    from megatron_sparsebalance.pretrain import out_of_memory_advice
+
+    def advice(*extra):
+        cfg = config_from_args(build_parser().parse_args(["--model", "qwen2.5-0.5b", "--seq-length", "65536", *extra]))
+        return out_of_memory_advice(cfg, cfg.model_shape(), 4, [[[60000, 3906], [20000]]])
+
+    fused = advice("--cross-entropy-loss-fusion")
+    gib = 63906 * MODEL_PRESETS["qwen2.5-0.5b"].vocab_size * 4 / 2 ** 30
+    assert "--cross-entropy-loss-fusion" in fused and f"fp32 ({gib:.1f} GiB)" in fused and "36.2 GiB" in fused
+    assert "--cross-entropy-loss-fusion" not in advice() and "fp32 (" not in advice()

@@ -127,3 +127,37 @@ def test_exclude_names_a_row_everywhere_or_in_one_file():
     assert not is_excluded(row, ["a.json:pp2dp2/longtail/dense"], "b.json")
     assert not is_excluded(row, ["a.json:pp2dp2/longtail/dense"])
     assert not is_excluded(row, ["pp2dp2/bimodal/dense", "pp4dp1/longtail/dense"], "a.json")
+
+
+def test_merge_pairs_each_row_with_its_own_runs_baseline(tmp_path):
+    """A merged row's speedup is over the baseline of the run that measured it (same global batches),
+    a later run's row replaces an earlier one of the same key, and runs whose step differs
+    (--cross-entropy-loss-fusion) keep their rows and baseline apart."""
+    from benchmarks.e2e import merge
+
+    def part(name, extra, rows):
+        rows = [dict(layout="pp4dp1", dist="bimodal", config=c, weights="random", iter_ms=ms, pipeline_ms=ms - 20)
+                for c, ms in rows]
+        setup = dict(layout="pp4dp1", dists=["bimodal"], weights=None, extra=extra)
+        path = tmp_path / name
+        path.write_text(json.dumps(dict(layout="pp4dp1", rows=rows, iterations={}, traces={}, setup=setup, gpu="X")))
+        return str(path)
+
+    files = [part("triton.json", ["--manual-gc", "--latency-table-force"], [("baseline", 990.0), ("lbb", 900.0)]),
+             part("old.json", ["--manual-gc"], [("baseline", 1000.0), ("sab+dst", 800.0), ("all", 780.0)]),
+             part("new.json", ["--manual-gc"], [("baseline", 1100.0), ("all", 800.0)]),
+             part("fused.json", ["--manual-gc", "--cross-entropy-loss-fusion"], [("baseline", 950.0), ("all", 700.0)])]
+    merged = merge(files, str(tmp_path), "t")
+    assert merged["common_flags"] == ["--manual-gc"]  # labels name the fused run's flag alone
+    rows = merged["rows"]
+    got = {(r["config"], tuple(r["flags"])): (r["source"], r["speedup"]) for r in rows}
+    plain, fused = ("--manual-gc",), ("--manual-gc", "--cross-entropy-loss-fusion")
+    assert got == {
+        ("baseline", plain): ("new.json", 1.0),
+        ("lbb", plain): ("triton.json", 990.0 / 900.0),  # a table flag alone does not make another step
+        ("sab+dst", plain): ("old.json", 1000.0 / 800.0),  # its own run's baseline, not new.json's
+        ("all", plain): ("new.json", 1100.0 / 800.0),
+        ("baseline", fused): ("fused.json", 1.0),
+        ("all", fused): ("fused.json", 950.0 / 700.0),
+    }
+    assert rows[-1]["pipeline_speedup"] == pytest.approx(930.0 / 680.0)
