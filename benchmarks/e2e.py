@@ -504,15 +504,15 @@ def merge(paths, out_dir: str, tag: str, exclude=()) -> dict:
     for path in paths:
         with open(path) as f:
             parts.append(json.load(f))
+    flags_of = [run_flags(part["setup"]) for part in parts]
     # Labels name only the flags that tell runs apart (every GPU run passes --manual-gc).
-    common = [f for f in run_flags(parts[0]["setup"]) if all(f in run_flags(p["setup"]) for p in parts)]
+    common = [f for f in flags_of[0] if all(f in flags for flags in flags_of)]
     merged["common_flags"] = common
-    for path, part in zip(paths, parts):
+    for path, part, flags in zip(paths, parts, flags_of):
         # A file cut short by a failure has no summary fields; the others name the GPU.
         merged["gpu"] = part.get("gpu", merged["gpu"])
         merged["torch"] = part.get("torch", merged["torch"])
         source = os.path.basename(path)
-        flags = run_flags(part["setup"])
         # Each row names its file and flags: a merged table may join rows of runs planned with
         # different tables, and of runs whose step differs (--extra --cross-entropy-loss-fusion).
         # Its speedup is over its own run's baseline, on the same global batches.
