@@ -4,8 +4,10 @@
 # then the kernel grid, its tests dealt round-robin to three GPUs, beside everything else on the
 # fourth. Measured on 4xH200 (megatron-core 0.19.2): the two multi-process groups 4.3 and 5.5 min;
 # the kernel grid took 3-4.5 min on one GPU with cold Triton caches (the device call's 10 minutes
-# ran out in it after both groups), 12-27 s a quarter with warm ones; the rest 1.4 min. Every test's
-# time goes to the logs (--durations). Needs 4 GPUs; build the extension first, in a call of its
+# ran out in it after both groups), 12-27 s a quarter with warm ones; the rest 1.4 min. On 4xH100
+# (27 Nov, cold caches, megatron-core 0.19.2) the whole script took 6.8 min: the groups 3.8 and
+# 4.8 min, then the kernel grid's thirds 57-80 s beside the rest's 75 s. Every test's time goes to
+# the logs (--durations). Needs 4 GPUs; build the extension first, in a call of its
 # own (make test-gpu builds it, or MSB_CUDA=1 python3 setup.py build_ext --inplace).
 #   bash tools/test_gpu_parallel.sh [LOG_DIR]      # exit status: 0 when every group passed
 set -uo pipefail
