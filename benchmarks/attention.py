@@ -14,7 +14,8 @@ differs gets an error instead of a time. Shapes of Qwen2.5-0.5B
 block size 128; density = kept fraction of the causal block triangle, reached by choosing the
 MoBA budget k for each S and routing random-but-structured q/k with the MoBA router.
 
-Reported per case: median ms of fwd+bwd (CUDA events, after warm-up), useful TFLOP/s
+Reported per case: median ms of fwd+bwd (CUDA events, after warm-up; a case's implementations
+take turns over ``--rounds`` rounds, so that the GPU's power-capped clock treats them alike), useful TFLOP/s
 (4 * kept_blocks * B^2 * d * 3.5, kept blocks counted per query head; the dense rows count the
 whole causal block triangle) and the peak memory the fwd+bwd allocates beyond its inputs. The
 forward alone is timed too (as training runs it: inputs requiring grad, so it saves what the
@@ -29,6 +30,7 @@ order of our implementations measured in FILE under its GPU in ``ops/measured_or
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -56,7 +58,9 @@ CHECK_MAX_REL = 5e-2
 
 
 NOTES = (
-    "fwd+bwd medians of CUDA events (10 runs after 3 warm-ups), one sequence of S tokens, bf16, block 128. "
+    "fwd+bwd medians of CUDA events over --rounds rounds (3) of --iters runs (10), a case's implementations "
+    "taking turns round by round (3 warm-ups before the first round, 1 before each later one); one sequence of S tokens, "
+    "bf16, block 128. "
     "flex: torch.compile'd flex_attention given the same selection (off-diagonal selected blocks as full blocks, "
     "the diagonal as a partial block, mask_mod q >= kv). flex_flash: the same call with kernel_options "
     "{'BACKEND': 'FLASH'} (flash-attn-4). fa4: flash-attn-4's block-sparse API called directly with the "
@@ -70,8 +74,8 @@ NOTES = (
     "fwd+bwd (router_in_step_ms in benchmarks/attention.py)."
 )
 
-def cuda_time(fn, iters: int = 10, warmup: int = 3) -> float:
-    """Median ms of ``fn`` over ``iters`` runs, each bracketed by CUDA events."""
+def cuda_times(fn, iters: int, warmup: int) -> list[float]:
+    """ms of each of ``iters`` runs of ``fn`` after ``warmup`` runs, each bracketed by CUDA events."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -84,7 +88,12 @@ def cuda_time(fn, iters: int = 10, warmup: int = 3) -> float:
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return times
+
+
+def cuda_time(fn, iters: int = 10, warmup: int = 3) -> float:
+    """Median ms of ``fn`` over ``iters`` runs, each bracketed by CUDA events."""
+    return statistics.median(cuda_times(fn, iters, warmup))
 
 
 def router_in_step_ms(step, route, iters: int) -> float:
@@ -329,6 +338,134 @@ def tune_triton(shape_names, S=32768, density=0.25):
     return {k: list(v[1]) for k, v in report.items()}, timings
 
 
+def error_text(e: Exception) -> str:
+    """What a row's ``error`` says of an exception."""
+    return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def interleaved_rounds(timers: dict, rounds: int) -> tuple[dict, dict]:
+    """Every timer once per round, in the same order each round: ``(samples, errors)`` by key.
+
+    A timer is called with the round's index and returns a list of samples. Why rounds: under
+    load an H100 or H200 holds its power limit by moving its SM clock, so a step's time drifts
+    by up to 10% within seconds (docs/FA4.md, "Where the backward's time goes"); implementations
+    timed one after the other would each see another part of that drift, and taking turns gives
+    each the same mix. A timer that raises gets its error and is left out of later rounds."""
+    samples = {key: [] for key in timers}
+    errors = {}
+    for r in range(rounds):
+        for key, timer in timers.items():
+            if key in errors:
+                continue
+            try:
+                samples[key].extend(timer(r))
+            except Exception as e:  # a backend that fails while timed is a row with an error
+                errors[key] = error_text(e)
+    return samples, errors
+
+
+@dataclasses.dataclass
+class Case:
+    """One measured case: a shape's inputs at S tokens and, for a sparse density, its route (budget
+    ``kk``) and Flex's BlockMask (``bm``, where an implementation of the case needs it)."""
+    shape: str
+    S: int
+    density: float
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    go: torch.Tensor
+    lay: BlockLayout
+    kept_heads: int
+    route: object = None
+    bm: object = None
+    kk: int | None = None
+
+
+def timed_row(impl, step_samples, fwd_samples, step, c, flex_fn, impls, router, iters) -> dict:
+    """A timed implementation's figures: medians of its samples, useful TFLOP/s, peak memory; for
+    flex its difference from triton's output, for triton what the router adds inside its step."""
+    q, k, v, d = c.q, c.k, c.v, c.q.shape[-1]
+    ms, fwd_ms = statistics.median(step_samples), statistics.median(fwd_samples)
+    mem, requested = peak_extra_gib(step)
+    row = dict(fwd_ms=fwd_ms, bwd_ms=ms - fwd_ms)
+    if impl == "flex" and "triton" in impls:  # same selection => same output
+        from megatron_sparsebalance.ops.triton_attention import block_sparse_attention
+
+        with torch.no_grad():
+            ours = block_sparse_attention(q, k, v, c.route, 1.0 / math.sqrt(d))
+            theirs = flex_fn(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), block_mask=c.bm, enable_gqa=True,
+                             scale=1.0 / math.sqrt(d))
+        row["max_abs_diff_vs_triton"] = (ours.float() - theirs[0].transpose(0, 1).float()).abs().max().item()
+    flops = 4 * c.kept_heads * BLOCK * BLOCK * d * 3.5
+    row.update(ms=ms, tflops=flops / ms / 1e9, peak_mem_gib=mem, peak_requested_gib=requested)
+    if impl == "triton" and c.density < 1.0:
+        router["router_in_step_ms"] = router_in_step_ms(
+            step, lambda: sparse_route(q, k, c.lay, c.kk, track_coverage=True), iters)
+    return row
+
+
+def measure_case(group, c: Case, args, flex_fn, ref_impl, impls, router) -> list:
+    """The rows of case ``c`` for the implementations of ``group``: each checked against ours first
+    (sparse cases), then all timed in ``args.rounds`` interleaved rounds of ``args.iters`` steps
+    and forwards (:func:`interleaved_rounds`), then their peak memory. ``router``: the case's
+    router row, which the triton row completes."""
+    q, k, v, go, route, bm, S, density = c.q, c.k, c.v, c.go, c.route, c.bm, c.S, c.density
+    hq, kept_heads = q.shape[1], c.kept_heads
+    rows, prepared, reference = {}, {}, None
+    for impl in group:
+        row = dict(impl=impl, shape=c.shape, seq=S, density=density)
+        if density < 1.0:
+            row.update(k=c.kk, kept_frac=kept_heads / (hq * (S // BLOCK) * (S // BLOCK + 1) / 2))
+        rows[impl] = row
+        try:
+            forward, step = run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm)
+            if density < 1.0:  # the same function as ours, gradients included, before it is timed
+                if ref_impl is None:
+                    raise RuntimeError("no implementation of ours (cuda, triton) runs here to check against")
+                if reference is None:
+                    ref_forward, _ = run_case(ref_impl, q, k, v, go, route, S, hq, flex_fn, bm)
+                    reference = outputs_and_grads(ref_forward)
+                    del ref_forward
+                if impl != ref_impl:
+                    check = compare(outputs_and_grads(forward), reference)
+                    row.update(check_vs=ref_impl, check=check)
+                    failure = check_failure(check, ref_impl)
+                    if failure:
+                        raise AssertionError(failure)
+            prepared[impl] = (forward, step)
+        except Exception as e:  # keep going: a missing backend is a row, not a crash
+            row.update(ms=None, tflops=None, peak_mem_gib=None, error=error_text(e))
+    del reference
+    def timer(forward, step):  # a round of one implementation: its steps, then its forwards
+        def run(r):
+            warmup = 3 if r == 0 else 1
+            return ([("step", ms) for ms in cuda_times(step, args.iters, warmup)] +
+                    [("fwd", ms) for ms in cuda_times(forward, args.iters, warmup)])
+        return run
+
+    samples, errors = interleaved_rounds({impl: timer(*fns) for impl, fns in prepared.items()}, args.rounds)
+    out = []
+    for impl in group:
+        row = rows[impl]
+        if impl in prepared:
+            forward, step = prepared.pop(impl)
+            error = errors.get(impl)
+            if error is None:
+                try:
+                    step_samples = [ms for kind, ms in samples[impl] if kind == "step"]
+                    fwd_samples = [ms for kind, ms in samples[impl] if kind == "fwd"]
+                    row.update(timed_row(impl, step_samples, fwd_samples, step, c, flex_fn, impls, router, args.iters))
+                except Exception as e:
+                    error = error_text(e)
+            if error is not None:
+                row.update(ms=None, tflops=None, peak_mem_gib=None, error=error)
+            del forward, step
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="S=8K and 32K, densities 10%% and 25%%")
@@ -337,7 +474,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths")
     ap.add_argument("--densities", default=None)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=10, help="timed runs per round")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds in which a case's implementations take turns (interleaved_rounds)")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/attention_h200.json)")
     ap.add_argument("--markdown", default=None, metavar="JSON",
                     help="print the markdown table of a results file (docs/BENCHMARKS.md's) and exit")
@@ -401,69 +540,31 @@ def main(argv=None):
                 x.requires_grad_()
             go = torch.randn_like(q)
             lay = BlockLayout.from_cu_seqlens(torch.tensor([0, S], dtype=torch.int32, device="cuda"), BLOCK, S)
-            cases = [("cudnn_dense", 1.0), ("fa2_dense", 1.0)] + [(i, x) for x in dens for i in SPARSE_IMPLS]
-            references = {}  # density -> ours' [out, dq, dk, dv]: what every sparse row is checked against
-            for impl, density in cases:
-                if impl not in impls:
+            groups = [(1.0, ("cudnn_dense", "fa2_dense"))] + [(x, SPARSE_IMPLS) for x in dens]
+            for density, group in groups:
+                group = [i for i in group if i in impls]
+                if not group:
                     continue
-                route = bm = None
+                route = bm = kk = None
                 kept_heads = hq * nb * (nb + 1) // 2
                 if density < 1.0:
                     kk = budget_for_density(nb, density)
                     with torch.no_grad():
                         route = select_blocks(block_scores(q, k, lay), lay, kk)
-                    if (name, S, density) not in routers:  # router cost once per case (same for every impl)
-                        rms = cuda_time(lambda: select_blocks(block_scores(q, k, lay), lay, kk), iters=5, warmup=1)
-                        # the router as the model runs it on a GPU (Triton: pooling, one GEMM, one
-                        # selection + coverage launch), coverage curve included
-                        fms = cuda_time(lambda: sparse_route(q, k, lay, kk, track_coverage=True), iters=5, warmup=1)
-                        routers[name, S, density] = dict(shape=name, seq=S, density=density, k=kk, router_ms=rms,
-                                                         router_gpu_ms=fms)
+                    # router cost once per case (the same for every impl)
+                    rms = cuda_time(lambda: select_blocks(block_scores(q, k, lay), lay, kk), iters=5, warmup=1)
+                    # the router as the model runs it on a GPU (Triton: pooling, one GEMM, one
+                    # selection + coverage launch), coverage curve included
+                    fms = cuda_time(lambda: sparse_route(q, k, lay, kk, track_coverage=True), iters=5, warmup=1)
+                    routers[name, S, density] = dict(shape=name, seq=S, density=density, k=kk, router_ms=rms,
+                                                     router_gpu_ms=fms)
                     kept_heads = route.kept_blocks() * (hq // g)
-                    if impl in NEEDS_BLOCK_MASK:
+                    if any(i in NEEDS_BLOCK_MASK for i in group):
                         bm = flex_block_mask(route, hq, S)
-                row = dict(impl=impl, shape=name, seq=S, density=density)
-                forward = step = None
-                if density < 1.0:
-                    row.update(k=kk, kept_frac=kept_heads / (hq * nb * (nb + 1) / 2))
-                try:
-                    forward, step = run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm)
-                    if density < 1.0:  # the same function as ours, gradients included, before it is timed
-                        if ref_impl is None:
-                            raise RuntimeError("no implementation of ours (cuda, triton) runs here to check against")
-                        if density not in references:
-                            ref_forward, _ = run_case(ref_impl, q, k, v, go, route, S, hq, flex_fn, bm)
-                            references[density] = outputs_and_grads(ref_forward)
-                            del ref_forward
-                        if impl != ref_impl:
-                            check = compare(outputs_and_grads(forward), references[density])
-                            row.update(check_vs=ref_impl, check=check)
-                            failure = check_failure(check, ref_impl)
-                            if failure:
-                                raise AssertionError(failure)
-                    ms = cuda_time(step, iters=args.iters)
-                    fwd_ms = cuda_time(forward, iters=args.iters)
-                    row.update(fwd_ms=fwd_ms, bwd_ms=ms - fwd_ms)
-                    mem, requested = peak_extra_gib(step)
-                    if impl == "flex" and "triton" in impls:  # same selection => same output
-                        from megatron_sparsebalance.ops.triton_attention import block_sparse_attention
-
-                        with torch.no_grad():
-                            ours = block_sparse_attention(q, k, v, route, 1.0 / math.sqrt(d))
-                            theirs = flex_fn(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), block_mask=bm,
-                                             enable_gqa=True, scale=1.0 / math.sqrt(d))
-                        row["max_abs_diff_vs_triton"] = (ours.float() - theirs[0].transpose(0, 1).float()).abs().max().item()
-                    flops = 4 * kept_heads * BLOCK * BLOCK * d * 3.5
-                    row.update(ms=ms, tflops=flops / ms / 1e9, peak_mem_gib=mem, peak_requested_gib=requested)
-                    if impl == "triton" and density < 1.0:
-                        routers[name, S, density]["router_in_step_ms"] = router_in_step_ms(
-                            step, lambda: sparse_route(q, k, lay, kk, track_coverage=True), args.iters)
-                except Exception as e:  # keep going: a missing backend is a row, not a crash
-                    row.update(ms=None, tflops=None, peak_mem_gib=None, error=f"{type(e).__name__}: {str(e)[:200]}")
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                del step, forward
-            del q, k, v, go, references
+                case = Case(name, S, density, q, k, v, go, lay, kept_heads, route, bm, kk)
+                rows += measure_case(group, case, args, flex_fn, ref_impl, impls, routers.get((name, S, density)))
+                del case
+            del q, k, v, go
             torch.cuda.empty_cache()
     result = dict(meta, rows=rows, router=list(routers.values()))
     out = args.out or (os.path.join(os.environ["OUT"], "attention_h200.json") if os.environ.get("OUT") else None)

@@ -117,3 +117,78 @@ def test_a_row_whose_gradients_differ_from_ours_is_flagged_before_it_is_timed():
     nan = [x.clone() for x in rounded]
     nan[0][0, 0, 0] = float("nan")
     assert "out" in check_failure(compare(nan, ours), "cuda")
+
+
+def test_implementations_take_turns_round_by_round_and_one_that_fails_drops_out():
+    from benchmarks.attention import interleaved_rounds
+
+    calls = []
+
+    def timer(name, fail_in=None):
+        def run(r):
+            calls.append((name, r))
+            if r == fail_in:
+                raise RuntimeError("out of memory")
+            return [10.0 * r, 10.0 * r + 1]
+        return run
+
+    samples, errors = interleaved_rounds({"cuda": timer("cuda"), "fa4": timer("fa4", fail_in=1),
+                                          "flex": timer("flex")}, rounds=3)
+    assert calls == [("cuda", 0), ("fa4", 0), ("flex", 0), ("cuda", 1), ("fa4", 1), ("flex", 1),
+                     ("cuda", 2), ("flex", 2)]
+    assert samples == {"cuda": [0.0, 1.0, 10.0, 11.0, 20.0, 21.0], "fa4": [0.0, 1.0],
+                       "flex": [0.0, 1.0, 10.0, 11.0, 20.0, 21.0]}
+    assert errors == {"fa4": "RuntimeError: out of memory"}
+
+
+def test_a_case_checks_every_implementation_before_timing_them_in_turns(monkeypatch):
+    """measure_case on the CPU, with the GPU parts replaced: the reference is ours, an
+    implementation that differs from it is never timed, one that fails while timed gets its error,
+    and the others' figures are the medians of all their rounds."""
+    import argparse
+
+    import torch
+
+    from benchmarks import attention as bench
+
+    events = []
+    outputs = {"cuda": 1.0, "fa4": 1.0, "flex": 5.0, "flex_flash": 1.0}  # flex computes another function
+
+    def run_case(impl, *args):
+        def forward():
+            return impl
+        return forward, (lambda: ("step", impl))
+
+    def outputs_and_grads(forward):
+        return [torch.full((4, 1, 2), outputs[forward()]) for _ in range(4)]
+
+    step_ms = {"cuda": [3.0, 1.0], "fa4": [2.0, 4.0], "flex_flash": [9.0, 9.0]}
+
+    def cuda_times(fn, iters, warmup):
+        ran = fn()
+        events.append(ran)
+        if ran == ("step", "flex_flash"):
+            raise RuntimeError("compile failed")
+        return step_ms[ran[1]] if isinstance(ran, tuple) else [0.5]
+
+    monkeypatch.setattr(bench, "run_case", run_case)
+    monkeypatch.setattr(bench, "outputs_and_grads", outputs_and_grads)
+    monkeypatch.setattr(bench, "cuda_times", cuda_times)
+    monkeypatch.setattr(bench, "peak_extra_gib", lambda step: (0.25, 0.25))
+    x = torch.zeros(256, 2, 8)
+    case = bench.Case("qwen2.5-0.5b", 256, 0.5, x, x[:, :1], x[:, :1], x, None, kept_heads=4, kk=1)
+    args = argparse.Namespace(iters=2, rounds=2)
+    rows = bench.measure_case(["cuda", "flex", "fa4", "flex_flash"], case, args, None, "cuda", ["cuda"], {})
+    assert [r["impl"] for r in rows] == ["cuda", "flex", "fa4", "flex_flash"]
+    # in turns, steps before forwards; flex never (it failed its check), flex_flash once (its step raised)
+    def step(impl):
+        return ("step", impl)
+
+    assert events == [step("cuda"), "cuda", step("fa4"), "fa4", step("flex_flash"),
+                      step("cuda"), "cuda", step("fa4"), "fa4"]
+    cuda, flex, fa4, flash = rows
+    assert cuda["ms"] == 2.0 and cuda["fwd_ms"] == 0.5 and cuda["bwd_ms"] == 1.5 and "check" not in cuda
+    assert fa4["ms"] == 3.0 and fa4["check_vs"] == "cuda" and fa4["check"]["out"]["rel_l2"] == 0.0
+    assert flex["ms"] is None and flex["error"].startswith("AssertionError: differs from cuda")
+    assert flash["ms"] is None and flash["error"] == "RuntimeError: compile failed"
+    assert cuda["tflops"] == 4 * 4 * 128 * 128 * 8 * 3.5 / 2.0 / 1e9
