@@ -41,7 +41,7 @@ from megatron_sparsebalance.balance.dst import DSTConfig, PipelineShape, plan_bu
 from megatron_sparsebalance.balance.latency import AnalyticLatencyModel, LatencyModel
 from megatron_sparsebalance.balance.sab import SparsityAwareBatcher
 from megatron_sparsebalance.data.distributions import sample_lengths
-from megatron_sparsebalance.balance.split import LayerCosts, choose_split
+from megatron_sparsebalance.balance.split import LayerCosts, choose_split, stage_costs_from_model
 from megatron_sparsebalance.pipeline.simulate import (FlatRouterCoverage, StageCostModel, layer_fractions,
                                                        simulate_iteration, uniform_stages)
 from megatron_sparsebalance.training.model import MODEL_PRESETS
@@ -190,19 +190,17 @@ def ablation(args) -> list:
     models = [("analytic", None)]
     if args.latency_table:
         models.append(("profiled", args.latency_table))
+
+    def output_term(fused):  # the analytic model's output layer and loss, ms per token
+        costs = stage_costs_from_model(shape, [[args.seq_length]], args.moba_topk, None,
+                                       block_size=args.moba_block_size, hardware="h200", fused_cross_entropy=fused)
+        return costs.output_ms / args.seq_length
+
     rows = []
     for model_name, table in models:
         for layout in args.layouts:
             pp, dp = LAYOUTS[layout]
             table_layers = shape.num_layers // pp
-
-            def output_term(fused):  # the analytic model's output layer and loss, ms per token
-                plain = AnalyticLatencyModel(shape, table_layers, block_size=args.moba_block_size, hardware="h200")
-                probe = AnalyticLatencyModel(shape, table_layers, block_size=args.moba_block_size, hardware="h200",
-                                             post_process=True, fused_cross_entropy=fused)
-                return (probe.predict([args.seq_length], args.moba_topk)
-                        - plain.predict([args.seq_length], args.moba_topk)) / args.seq_length
-
             if table is None:
                 latency = AnalyticLatencyModel(shape, table_layers, block_size=args.moba_block_size, hardware="h200")
                 per_token = output_term(args.cross_entropy_loss_fusion)
