@@ -57,9 +57,10 @@ def _our_token_mask(route, group):
     return mask
 
 
-def _fa4_token_mask(cnt_full, idx_full, cnt_mask, idx_mask, head, num_sub):
-    """``[Tp, Tp]`` bool: what FA4 computes for query head ``head`` from its forward tensors, read
-    one entry at a time: full blocks whole, partial blocks under the mask_mod ``q >= kv``."""
+def _fa4_token_mask(cnt_full, idx_full, cnt_mask, idx_mask, head, num_sub, transposed=False):
+    """``[Tp, Tp]`` bool (query, key): what FA4 computes for query head ``head`` from its forward
+    tensors (rows are query blocks), or from its backward ones with ``transposed`` (rows are KV
+    blocks), read one entry at a time: full blocks whole, partial blocks under the mask_mod ``q >= kv``."""
     FULL, PARTIAL = 1, 2
     kind = torch.zeros(num_sub, num_sub, dtype=torch.int8)
     for m in range(num_sub):
@@ -67,6 +68,8 @@ def _fa4_token_mask(cnt_full, idx_full, cnt_mask, idx_mask, head, num_sub):
             kind[m, int(idx_full[0, head, m, s])] |= FULL
         for s in range(int(cnt_mask[0, head, m])):
             kind[m, int(idx_mask[0, head, m, s])] |= PARTIAL
+    if transposed:
+        kind = kind.T
     tokens = kind.repeat_interleave(FA4_BLOCK, 0).repeat_interleave(FA4_BLOCK, 1)
     pos = torch.arange(num_sub * FA4_BLOCK)
     return (tokens & FULL).bool() | ((tokens & PARTIAL).bool() & (pos[:, None] >= pos[None, :]))
@@ -158,6 +161,68 @@ def test_wrapper_pads_calls_once_and_unpads_with_gradients(monkeypatch, block, l
     assert len(calls) == 1 and calls[0][0][0] == 1  # one batch-1 call
     assert calls[0][0][1] == route.layout.num_blocks * block
     assert torch.allclose(out, ref, atol=1e-5)  # the reference takes its softmax in fp32
+    for got, want in zip(grads, ref_grads):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def _emulated_own_forward(q, k, v, route, scale):
+    """Our forward kernel's ``(out, lse)`` by dense torch, lse in the kernel's base 2."""
+    HQ, G = q.shape[1], k.shape[1]
+    outs, lses = [], []
+    for h in range(HQ):
+        s = (q[:, h] @ k[:, h // (HQ // G)].T) * scale
+        s = s.masked_fill(~_our_token_mask(route, h // (HQ // G)), float("-inf"))
+        outs.append(torch.softmax(s, -1) @ v[:, h // (HQ // G)])
+        lses.append(torch.logsumexp(s, -1) / math.log(2.0))
+    return torch.stack(outs, 1), torch.stack(lses, 1)
+
+
+def _emulated_fa4_backward(q1, k1, v1, o1, do1, lse1, plan, scale):
+    """FA4's backward as dense torch: P recomputed from ``lse1`` (natural log), the block sets read
+    from the plan's transposed (per-KV-block) tensors alone."""
+    assert plan.fwd_full_cnt is None, "the backward-only plan carries no forward tensors"
+    _, Tp, HQ, D = q1.shape
+    G = k1.shape[2]
+    dq, dk, dv = (torch.zeros_like(x) for x in (q1, k1, v1))
+    for h in range(HQ):
+        g = h // (HQ // G)
+        allowed = _fa4_token_mask(plan.bwd_full_cnt, plan.bwd_full_idx, plan.bwd_mask_cnt, plan.bwd_mask_idx, h,
+                                  plan.num_sub_blocks, transposed=True)
+        qh, doh, kg, vg = q1[0, :, h], do1[0, :, h], k1[0, :, g], v1[0, :, g]
+        p = torch.exp(qh @ kg.T * scale - lse1[0, h, :, None]).masked_fill(~allowed, 0.0)
+        ds = p * (doh @ vg.T - (doh * o1[0, :, h]).sum(-1, keepdim=True))
+        dq[0, :, h] = ds @ kg * scale
+        dk[0, :, g] += ds.T @ qh * scale
+        dv[0, :, g] += p.T @ doh
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("block", [128, 256])
+@pytest.mark.parametrize("lens", [[300, 97, 530, 64], [256, 128]], ids=["varlen", "whole"])
+def test_own_forward_and_fa4_backward_match_the_reference(monkeypatch, block, lens):
+    """On Hopper fa4's forward is our kernel and its backward FA4's: the lse crosses from base 2 to
+    base e, the pack is padded for the backward alone, and the gradients are the reference's."""
+    calls = []
+
+    def fake_backward(q1, k1, v1, o1, do1, lse1, plan, scale):
+        calls.append((q1.shape, lse1.shape))
+        return _emulated_fa4_backward(q1, k1, v1, o1, do1, lse1, plan, scale)
+
+    monkeypatch.setattr(fa4_attention, "own_forward", _emulated_own_forward)
+    monkeypatch.setattr(fa4_attention, "flash_attn_block_sparse_backward", fake_backward)
+    monkeypatch.setattr(fa4_attention, "flash_attn_block_sparse", None)  # FA4's forward is not called
+    q, k, v, route = _route(lens, 4, 2, 16, block, 2)
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    assert not fa4_attention.own_forward_runs_on(q)  # by default only on Hopper: forced here
+    scale = 1.0 / math.sqrt(16)
+    go = torch.randn(q.shape, dtype=torch.float64)
+    out = fa4_attention.block_sparse_attention(q, k, v, route, scale, own_forward_kernel=True)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    ref = sparse_attention_naive(q, k, v, route, scale)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), go)
+    Tp = route.layout.num_blocks * block
+    assert calls == [(torch.Size([1, Tp, 4, 16]), torch.Size([1, 4, Tp]))]
+    assert torch.allclose(out, ref, atol=1e-5)
     for got, want in zip(grads, ref_grads):
         assert torch.allclose(got, want, atol=1e-5)
 

@@ -79,6 +79,25 @@ cuda_attention = register_attention("cuda", _forward, _backward)
 cuda_attn_fwd, cuda_attn_bwd = cuda_attention.forward_op, cuda_attention.backward_op
 
 
+HEAD_DIMS = (64, 128)  # the kernels' tiles (csrc/cuda/attention.cu checks it too)
+
+
+def _kernel_args(q, k, v, route: BlockRoute, softmax_scale: float) -> tuple:
+    """The extension's arguments: inputs contiguous and aligned, the route's tensors, host scalars."""
+    if not native.HAVE_NATIVE_CUDA:
+        raise RuntimeError("the CUDA kernels are not built (build with MSB_CUDA=1 where nvcc exists)")
+    lay = route.layout
+    return (_aligned(q), _aligned(k), _aligned(v), route.kv_idx.contiguous(), route.kv_cnt.contiguous(),
+            lay.block_start, lay.block_end, float(softmax_scale), int(lay.block_size))
+
+
+def forward_with_lse(q, k, v, route: BlockRoute, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel alone, not differentiable: ``(out [T, HQ, D], lse [T, HQ] float32)``,
+    ``lse`` in base 2 of the scaled scores (``log2 sum_j exp2(s_j * scale * log2 e)``). For
+    ``fa4``, whose backward is FA4's."""
+    return _forward(*_kernel_args(q, k, v, route, softmax_scale))
+
+
 def block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: BlockRoute, softmax_scale: Optional[float] = None,
 ) -> torch.Tensor:
@@ -91,12 +110,6 @@ def block_sparse_attention(
     Returns:
         ``[T, HQ, D]``, differentiable with respect to q, k and v.
     """
-    if not native.HAVE_NATIVE_CUDA:
-        raise RuntimeError("the CUDA kernels are not built (build with MSB_CUDA=1 where nvcc exists)")
-    lay = route.layout
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return cuda_attention(
-        _aligned(q), _aligned(k), _aligned(v), route.kv_idx.contiguous(), route.kv_cnt.contiguous(),
-        lay.block_start, lay.block_end, float(softmax_scale), int(lay.block_size),
-    )
+    return cuda_attention(*_kernel_args(q, k, v, route, softmax_scale))

@@ -28,6 +28,14 @@ FA4's backward adds dQ with fp32 atomics on Hopper (its deterministic block-spar
 needs SM100+), so this implementation is not deterministic: ``--deterministic-mode`` refuses it
 (``implementations.py``).
 
+On Hopper, where our CUDA extension runs, the forward is our own kernel (``cuda_attention``) and
+only the backward is FA4's: our forward kernel was faster than FA4's at most of issue 44's eight
+cases and within a run's spread at the others, while our two-pass backward is slower than FA4's
+at 64K (docs/FA4.md). The forward then needs no FA4 block-sparse tensors, no FA4 host call and no
+padding of q, k, v. FA4's backward takes our output and log-sum-exp, the latter converted from
+our base 2 (``lse2 = log2(sum exp2(S scale log2 e))``) to FA4's base e. Elsewhere (Blackwell, no
+extension, or a head dim other than 64 and 128) both directions are FA4's.
+
 The index construction (:func:`fa4_block_plan`) is plain torch and runs on any device; the
 tests check it on the CPU against a naive per-element construction.
 
@@ -44,12 +52,14 @@ from typing import Optional
 
 import torch
 
+from megatron_sparsebalance.ops import native
 from megatron_sparsebalance.ops.layout import BlockLayout
 from megatron_sparsebalance.ops.router import BlockRoute
 
 FA4_BLOCK = 128  # FA4's SM90 KV tile: the sparse block of every call
 FA4_BLOCK_SIZES = (128, 256)  # ours that map onto whole FA4 blocks
 FA4_VERSION = "4.0.0b36"  # the version this module was written against (block-sparse API)
+LN2 = math.log(2.0)  # our lse is in base 2, FA4's in base e
 
 
 def check_block_size(block_size: int) -> None:
@@ -63,7 +73,7 @@ def check_block_size(block_size: int) -> None:
 class FA4BlockPlan:
     """FA4's block-sparse tensors for one route, per query head, batch 1.
 
-    Attributes (all int32, on the route's device):
+    Attributes (all int32, on the route's device; the ``fwd_*`` ones None in a backward-only plan):
         fwd_mask_cnt ``[1, HQ, M]``, fwd_mask_idx ``[1, HQ, M, 1]``: the partial (diagonal) block.
         fwd_full_cnt ``[1, HQ, M]``, fwd_full_idx ``[1, HQ, M, Wf]``: full KV blocks, ascending.
         bwd_mask_cnt ``[1, HQ, M]``, bwd_mask_idx ``[1, HQ, M, 1]``: per KV block, its partial query block.
@@ -72,10 +82,10 @@ class FA4BlockPlan:
         num_sub_blocks: M.
     """
 
-    fwd_mask_cnt: torch.Tensor
-    fwd_mask_idx: torch.Tensor
-    fwd_full_cnt: torch.Tensor
-    fwd_full_idx: torch.Tensor
+    fwd_mask_cnt: Optional[torch.Tensor]
+    fwd_mask_idx: Optional[torch.Tensor]
+    fwd_full_cnt: Optional[torch.Tensor]
+    fwd_full_idx: Optional[torch.Tensor]
     bwd_mask_cnt: torch.Tensor
     bwd_mask_idx: torch.Tensor
     bwd_full_cnt: torch.Tensor
@@ -85,36 +95,32 @@ class FA4BlockPlan:
 
 def compact_rows(dense: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cnt [..., R] int32, idx [..., R, width] int32)``: the True columns of each row, ascending,
-    packed to the left (the rest 0). ``width`` must be at least the largest count."""
-    cnt = dense.sum(-1)
-    slot = torch.cumsum(dense.to(torch.int32), -1) - 1
-    # unselected columns write into a spill slot that is cut off
-    slot = torch.where(dense, slot, torch.full_like(slot, width)).long()
-    cols = torch.arange(dense.shape[-1], device=dense.device, dtype=torch.int32).expand_as(slot)
-    idx = torch.zeros(*dense.shape[:-1], width + 1, dtype=torch.int32, device=dense.device)
-    idx.scatter_(-1, slot, cols)
-    return cnt.to(torch.int32), idx[..., :width].contiguous()
+    packed to the left; entries past a row's count are unspecified (FA4 reads ``cnt`` of them).
+    ``width`` must be at least the largest count."""
+    # A stable descending sort of the 0/1 keys keeps the True columns in ascending order: three
+    # launches, where a compaction by cumsum and scatter takes ten (the backward plan is built in
+    # every backward, and a short micro-batch's backward is bound by its launches).
+    order = torch.sort(dense.view(torch.uint8), dim=-1, descending=True, stable=True).indices
+    return dense.sum(-1, dtype=torch.int32), order[..., :width].to(torch.int32)
 
 
-def selected_sub_blocks(route: BlockRoute) -> torch.Tensor:
-    """``[G, M, M]`` bool: sub-block ``m`` reads sub-block ``n`` (``n <= m``, ``n``'s block selected by ``m``'s)."""
-    lay = route.layout
+def full_sub_blocks(route: BlockRoute) -> torch.Tensor:
+    """``[G, M, M]`` bool: sub-block ``m`` reads sub-block ``n`` as a full block (``n < m``, ``n``'s
+    block selected by ``m``'s); the diagonal sub-block, each row's partial one, is left out."""
     G, NB, _ = route.kv_idx.shape
-    f = lay.block_size // FA4_BLOCK
-    dev = route.kv_idx.device
-    sel = torch.zeros(G, NB, NB + 1, dtype=torch.bool, device=dev)
-    kv = route.kv_idx.long()
-    sel.scatter_(-1, torch.where(kv >= 0, kv, NB), True)
+    f = route.layout.block_size // FA4_BLOCK
+    sel = torch.zeros(G, NB, NB + 1, dtype=torch.bool, device=route.kv_idx.device)
+    sel.scatter_(-1, route.kv_idx.long().remainder(NB + 1), True)  # unused slots (-1) go to column NB
     sel = sel[..., :NB]
     if f > 1:
         sel = sel.repeat_interleave(f, 1).repeat_interleave(f, 2)
-    M = NB * f
-    lower = torch.ones(M, M, dtype=torch.bool, device=dev).tril()
-    return sel & lower
+    # strictly below the diagonal: also drops, in a block of 256, the second half read by the first
+    return sel.tril(-1)
 
 
-def fa4_block_plan(route: BlockRoute, num_query_heads: int) -> FA4BlockPlan:
-    """FA4's forward and transposed (backward) block-sparse tensors for ``route``.
+def fa4_block_plan(route: BlockRoute, num_query_heads: int, forward: bool = True) -> FA4BlockPlan:
+    """FA4's forward and transposed (backward) block-sparse tensors for ``route``; with
+    ``forward=False`` the backward's alone (our forward kernel needs none of FA4's).
 
     The diagonal sub-block is the one partial block of every row and column; every other
     selected sub-block is full. Index widths are bounds known on the host: ``K * f - 1`` for a
@@ -129,23 +135,18 @@ def fa4_block_plan(route: BlockRoute, num_query_heads: int) -> FA4BlockPlan:
     f = lay.block_size // FA4_BLOCK
     M = NB * f
     dev = route.kv_idx.device
-    full = selected_sub_blocks(route)
-    full &= ~torch.eye(M, dtype=torch.bool, device=dev)
-    fwd_cnt, fwd_idx = compact_rows(full, max(1, min(M, K * f - 1)))
-    bwd_cnt, bwd_idx = compact_rows(full.transpose(1, 2), max(1, min(M, lay.max_blocks_per_seq * f - 1)))
-    diag_cnt = torch.ones(G, M, dtype=torch.int32, device=dev)
-    diag_idx = torch.arange(M, dtype=torch.int32, device=dev).view(1, M, 1).expand(G, M, 1)
+    full = full_sub_blocks(route)
+    # the partial block, the same in both directions: each sub-block's own
+    diag = [torch.ones(1, num_query_heads, M, dtype=torch.int32, device=dev),
+            torch.arange(M, dtype=torch.int32, device=dev).view(1, 1, M, 1).expand(1, num_query_heads, M, 1)
+            .contiguous()]
 
-    def per_head(x):
-        return x.repeat_interleave(R, 0).unsqueeze(0).contiguous()
+    def per_head(*tensors):
+        return [x.repeat_interleave(R, 0).unsqueeze(0) for x in tensors]
 
-    return FA4BlockPlan(
-        fwd_mask_cnt=per_head(diag_cnt), fwd_mask_idx=per_head(diag_idx),
-        fwd_full_cnt=per_head(fwd_cnt), fwd_full_idx=per_head(fwd_idx),
-        bwd_mask_cnt=per_head(diag_cnt), bwd_mask_idx=per_head(diag_idx),
-        bwd_full_cnt=per_head(bwd_cnt), bwd_full_idx=per_head(bwd_idx),
-        num_sub_blocks=M,
-    )
+    bwd = diag + per_head(*compact_rows(full.transpose(1, 2), max(1, min(M, lay.max_blocks_per_seq * f - 1))))
+    fwd = diag + per_head(*compact_rows(full, max(1, min(M, K * f - 1)))) if forward else [None] * 4
+    return FA4BlockPlan(*fwd, *bwd, num_sub_blocks=M)
 
 
 def padded_positions(layout: BlockLayout) -> Optional[torch.Tensor]:
@@ -189,10 +190,19 @@ def _fa4():
     return flash_attn_func, BlockSparseTensorsTorch, causal_mask_mod
 
 
+@functools.lru_cache(maxsize=None)
+def _fa4_backward():
+    """FA4's backward alone: the function its autograd rule calls (there is no public one)."""
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    return _flash_attn_bwd
+
+
 def import_error() -> Optional[str]:
     """Why flash-attn-4's block-sparse API cannot be imported here, or None when it can."""
     try:
         _fa4()
+        _fa4_backward()  # our forward is followed by FA4's backward alone
     except Exception as e:  # ImportError, or the CuTe DSL failing to load its libraries
         hint = ""
         if "cutlass" in str(e):
@@ -202,20 +212,90 @@ def import_error() -> Optional[str]:
     return None
 
 
+def _sparse_tensors(mask_cnt, mask_idx, full_cnt, full_idx):
+    """One direction's ``BlockSparseTensorsTorch`` in FA4's 128 x 128 blocks."""
+    return _fa4()[1](mask_cnt, mask_idx, full_cnt, full_idx, block_size=(FA4_BLOCK, FA4_BLOCK))
+
+
 def flash_attn_block_sparse(q1, k1, v1, plan: FA4BlockPlan, softmax_scale: float) -> torch.Tensor:
     """One FA4 call on batch-1 tensors ``[1, Tp, H, D]`` with ``plan``'s tensors; returns ``[1, Tp, HQ, D]``."""
-    flash_attn_func, Tensors, mask_mod = _fa4()
-    fwd = Tensors(plan.fwd_mask_cnt, plan.fwd_mask_idx, plan.fwd_full_cnt, plan.fwd_full_idx,
-                  block_size=(FA4_BLOCK, FA4_BLOCK))
-    bwd = Tensors(plan.bwd_mask_cnt, plan.bwd_mask_idx, plan.bwd_full_cnt, plan.bwd_full_idx,
-                  block_size=(FA4_BLOCK, FA4_BLOCK))
+    flash_attn_func, _, mask_mod = _fa4()
+    fwd = _sparse_tensors(plan.fwd_mask_cnt, plan.fwd_mask_idx, plan.fwd_full_cnt, plan.fwd_full_idx)
+    bwd = _sparse_tensors(plan.bwd_mask_cnt, plan.bwd_mask_idx, plan.bwd_full_cnt, plan.bwd_full_idx)
     out = flash_attn_func(q1, k1, v1, softmax_scale=softmax_scale, causal=False, mask_mod=mask_mod,
                           block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd, deterministic=False)
     return out[0] if isinstance(out, tuple) else out
 
 
+def flash_attn_block_sparse_backward(q1, k1, v1, out1, dout1, lse1, plan: FA4BlockPlan, softmax_scale: float):
+    """FA4's backward on batch-1 tensors ``[1, Tp, H, D]`` and ``lse1 [1, HQ, Tp]`` (natural log)
+    with ``plan``'s transposed tensors; returns ``(dq, dk, dv)`` in the same layout."""
+    bwd = _sparse_tensors(plan.bwd_mask_cnt, plan.bwd_mask_idx, plan.bwd_full_cnt, plan.bwd_full_idx)
+    dq, dk, dv = _fa4_backward()(q1, k1, v1, out1, dout1, lse1, softmax_scale, causal=False,
+                                 mask_mod=_fa4()[2], block_sparse_tensors=bwd, deterministic=False)
+    return dq, dk, dv
+
+
+def own_forward_runs_on(q: torch.Tensor) -> bool:
+    """Whether our Hopper forward kernel takes ``q`` (its device and head dim; then fa4's forward
+    is ours, see the top). Other head dims go to FA4's forward, which has more."""
+    from megatron_sparsebalance.ops.cuda_attention import HEAD_DIMS
+
+    return (q.is_cuda and q.shape[-1] in HEAD_DIMS and native.HAVE_NATIVE_SM90A
+            and native.cuda_kernels_run_on(q.device) and torch.cuda.get_device_capability(q.device)[0] == 9)
+
+
+def own_forward(q, k, v, route: BlockRoute, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, HQ, D], lse [T, HQ] float32, base 2)`` of our CUDA forward kernel."""
+    from megatron_sparsebalance.ops.cuda_attention import forward_with_lse
+
+    return forward_with_lse(q, k, v, route, softmax_scale)
+
+
+class _Padding:
+    """The pack laid out as FA4's padded batch-1 sequence (``Tp`` slots) and back."""
+
+    def __init__(self, layout: BlockLayout, num_sub_blocks: int):
+        self.dst = _PADDING.get(layout)
+        self.slots = num_sub_blocks * FA4_BLOCK
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, ...]`` -> ``[1, Tp, ...]``; padding slots are zeros."""
+        if self.dst is None:
+            return x.contiguous().unsqueeze(0)
+        return x.new_zeros(self.slots, *x.shape[1:]).index_copy(0, self.dst, x).unsqueeze(0)
+
+    def unpad(self, x1: torch.Tensor) -> torch.Tensor:
+        """``[1, Tp, ...]`` -> ``[T, ...]``."""
+        return x1[0] if self.dst is None else x1[0].index_select(0, self.dst)
+
+
+class _OwnForwardFA4Backward(torch.autograd.Function):
+    """Our forward kernel and FA4's backward (Hopper; see the top of the module)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, route: BlockRoute, softmax_scale: float):
+        out, lse = own_forward(q, k, v, route, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.route, ctx.softmax_scale = route, softmax_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = fa4_block_plan(ctx.route, q.shape[1], forward=False)
+        padding = _Padding(ctx.route.layout, plan.num_sub_blocks)
+        # padding rows get lse 0: their q, out and dout are zeros, so P is finite and dS = 0
+        lse1 = (padding.pad(lse) * LN2).transpose(1, 2).contiguous()
+        grads = flash_attn_block_sparse_backward(
+            padding.pad(q), padding.pad(k), padding.pad(v), padding.pad(out), padding.pad(dout), lse1, plan,
+            ctx.softmax_scale)
+        return (*(padding.unpad(g) for g in grads), None, None)
+
+
 def block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: BlockRoute, softmax_scale: Optional[float] = None,
+    own_forward_kernel: Optional[bool] = None,
 ) -> torch.Tensor:
     """Block-sparse causal attention (flash-attn-4), our semantics over a THD pack.
 
@@ -223,6 +303,8 @@ def block_sparse_attention(
         q: ``[T, HQ, D]`` bf16/fp16; k, v: ``[T, G, D]``, ``HQ % G == 0``.
         route: the selection; its layout's block size must be 128 or 256.
         softmax_scale: defaults to ``1/sqrt(D)``.
+        own_forward_kernel: the forward by our CUDA kernel (True) or FA4's (False); None: ours
+            where it takes ``q`` (:func:`own_forward_runs_on`).
     Returns:
         ``[T, HQ, D]``, differentiable with respect to q, k and v (non-deterministic backward).
     """
@@ -230,14 +312,11 @@ def block_sparse_attention(
     check_block_size(lay.block_size)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if own_forward_kernel is None:
+        own_forward_kernel = own_forward_runs_on(q)
+    if own_forward_kernel:
+        return _OwnForwardFA4Backward.apply(q, k, v, route, float(softmax_scale))
     plan = fa4_block_plan(route, q.shape[1])
-    dst = _PADDING.get(lay)
-    Tp = plan.num_sub_blocks * FA4_BLOCK
-
-    def pad(x):
-        if dst is None:
-            return x.contiguous().unsqueeze(0)
-        return x.new_zeros(Tp, *x.shape[1:]).index_copy(0, dst, x).unsqueeze(0)
-
-    out = flash_attn_block_sparse(pad(q), pad(k), pad(v), plan, float(softmax_scale))[0]
-    return out if dst is None else out.index_select(0, dst)
+    padding = _Padding(lay, plan.num_sub_blocks)
+    out1 = flash_attn_block_sparse(padding.pad(q), padding.pad(k), padding.pad(v), plan, float(softmax_scale))
+    return padding.unpad(out1)

@@ -7,12 +7,13 @@ to all) under the same 2x-the-low-precision-reference rule, plus what is particu
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
 
-from megatron_sparsebalance.ops import implementations, measured_order
+from megatron_sparsebalance.ops import fa4_attention, implementations, measured_order
 from megatron_sparsebalance.ops.implementations import resolve_impl, unavailable_reason
 from megatron_sparsebalance.ops.router import block_scores, select_blocks
 from tests.gpu.test_kernels import _check_against_reference, _grads, _pack
@@ -47,6 +48,20 @@ def test_group_sizes_and_per_sequence_budgets(d, hq, g):
     lay = route.layout
     route = select_blocks(block_scores(q.detach(), k.detach(), lay), lay, torch.tensor([2, 5, 1, 9]))
     _check_against_reference(fn, q, k, v, route, 0.1)
+
+
+@pytest.mark.parametrize("d,hq,g", [(64, 14, 2), (128, 16, 2)])
+@pytest.mark.parametrize("block", [128, 256])
+@pytest.mark.parametrize("own_forward", [True, False], ids=["own-forward", "fa4-forward"])
+def test_both_forwards(d, hq, g, block, own_forward):
+    """The grid runs whichever forward this GPU gets (ours on Hopper with the extension built);
+    here both, on the varlen pack: ours with FA4's backward, and FA4's own in both directions."""
+    _fa4()
+    q, k, v, route = _pack([300, 97, 1025, 64], hq, g, d, torch.bfloat16, block, "half")
+    if own_forward and not fa4_attention.own_forward_runs_on(q):
+        pytest.skip("our forward kernel does not run here (not Hopper, or the extension not built)")
+    fn = functools.partial(fa4_attention.block_sparse_attention, own_forward_kernel=own_forward)
+    _check_against_reference(fn, q, k, v, route, 1.0 / math.sqrt(d))
 
 
 def test_whole_blocks_need_no_padding_and_match_too():
