@@ -396,7 +396,15 @@ def test_eager_path_equals_the_registered_op():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="needs a Hopper GPU")
 def test_auto_takes_cuda_on_hopper_when_its_wgmma_kernels_are_built():
+    """cuda before triton; ahead of cuda only fa4 (measured faster on some GPUs, e.g. the H100),
+    and only where flash-attn-4 imports and deterministic mode is off."""
     from megatron_sparsebalance.ops import native
+    from megatron_sparsebalance.ops.implementations import auto_order
 
     assert native.HAVE_NATIVE_SM90A, "build with MSB_CUDA=1 (MSB_CUDA_ARCH defaults to 90a)"
-    assert resolve_impl("auto", torch.device("cuda")) == "cuda"
+    dev = torch.device("cuda")
+    assert resolve_impl("auto", dev, deterministic=True) == "cuda"
+    order = auto_order(dev)
+    assert order.index("cuda") < order.index("triton")
+    fa4_first = "fa4" in order and order.index("fa4") < order.index("cuda") and unavailable_reason("fa4", dev) is None
+    assert resolve_impl("auto", dev) == ("fa4" if fa4_first else "cuda")
