@@ -14,8 +14,8 @@ class SparseAttentionConfig:
     reference row of every benchmark."""
 
     sparse_attn_impl: str = "auto"
-    """Kernel: auto (fastest measured on the device), cuda, triton, fa4 (flash-attn-4's block-sparse kernels,
-    non-deterministic backward) or torch (the reference)."""
+    """Kernel: auto (fastest measured on the device), cuda, triton, fa4 (flash-attn-4's block-sparse backward,
+    non-deterministic, after our forward kernel on Hopper; FA4's forward elsewhere) or torch (the reference)."""
 
     moba_block_size: int = 128
     """Tokens per attention block (64, 128 or 256)."""
