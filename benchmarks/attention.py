@@ -1,10 +1,11 @@
 """Block-sparse attention, forward+backward, side by side on one GPU.
 
 Ours (``cuda``, ``triton``, and ``fa4_backend``: ``--sparse-attn-impl fa4``, flash-attn-4's kernels
-through our backend; on Hopper with our extension, our forward kernel and FA4's backward) against PyTorch FlexAttention (compiled, given the SAME selection as a
-``BlockMask``: the selected earlier blocks as full blocks, the diagonal block as a partial block
-whose mask_mod is only ``q >= kv``), FlexAttention's FLASH backend (``flex_flash``: the same call
-with ``kernel_options={"BACKEND": "FLASH"}``, flash-attn-4's CuTe kernels), flash-attn-4's
+through our backend; on Hopper with our extension, our forward kernel and FA4's backward) against
+PyTorch FlexAttention (compiled, given the SAME selection as a ``BlockMask``: the selected
+earlier blocks as full blocks, the diagonal block as a partial block whose mask_mod is only
+``q >= kv``), FlexAttention's FLASH backend (``flex_flash``: the same call with
+``kernel_options={"BACKEND": "FLASH"}``, flash-attn-4's CuTe kernels), flash-attn-4's
 block-sparse API called directly (``fa4``: the BlockMask's forward and transposed tensors as
 ``BlockSparseTensorsTorch``, per query head, batch 1) and dense causal SDPA (cuDNN and
 FlashAttention-2 backends). Before a sparse implementation's time counts, its output and
@@ -64,8 +65,8 @@ NOTES = (
     "flex: torch.compile'd flex_attention given the same selection (off-diagonal selected blocks as full blocks, "
     "the diagonal as a partial block, mask_mod q >= kv). flex_flash: the same call with kernel_options "
     "{'BACKEND': 'FLASH'} (flash-attn-4). fa4: flash-attn-4's block-sparse API called directly with the "
-    "BlockMask's forward and transposed tensors (per query head, batch 1). fa4_backend: --sparse-attn-impl fa4 (on Hopper with our extension built: our "
-    "forward kernel and FA4's backward). "
+    "BlockMask's forward and transposed tensors (per query head, batch 1). fa4_backend: --sparse-attn-impl fa4 "
+    "(on Hopper with our extension built: our forward kernel and FA4's backward). "
     "check_vs/check: output and gradient errors against ours (rel_l2, max_rel) checked before a row's time "
     "counts. tflops: 4*kept_blocks*B^2*d*3.5 with kept blocks counted per query "
     "head (dense rows: the whole causal block triangle). peak_mem_gib: memory allocated by one fwd+bwd beyond its "

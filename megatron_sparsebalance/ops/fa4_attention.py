@@ -52,7 +52,7 @@ from typing import Optional
 
 import torch
 
-from megatron_sparsebalance.ops import native
+from megatron_sparsebalance.ops import cuda_attention, native
 from megatron_sparsebalance.ops.layout import BlockLayout
 from megatron_sparsebalance.ops.router import BlockRoute
 
@@ -236,20 +236,22 @@ def flash_attn_block_sparse_backward(q1, k1, v1, out1, dout1, lse1, plan: FA4Blo
     return dq, dk, dv
 
 
+@functools.lru_cache(maxsize=None)
+def _own_forward_device(device: torch.device) -> bool:
+    """Whether our sm_90a kernels run on ``device`` (a Hopper GPU); asked once per device."""
+    return (native.HAVE_NATIVE_SM90A and native.cuda_kernels_run_on(device)
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
 def own_forward_runs_on(q: torch.Tensor) -> bool:
     """Whether our Hopper forward kernel takes ``q`` (its device and head dim; then fa4's forward
     is ours, see the top). Other head dims go to FA4's forward, which has more."""
-    from megatron_sparsebalance.ops.cuda_attention import HEAD_DIMS
-
-    return (q.is_cuda and q.shape[-1] in HEAD_DIMS and native.HAVE_NATIVE_SM90A
-            and native.cuda_kernels_run_on(q.device) and torch.cuda.get_device_capability(q.device)[0] == 9)
+    return q.is_cuda and q.shape[-1] in cuda_attention.HEAD_DIMS and _own_forward_device(q.device)
 
 
 def own_forward(q, k, v, route: BlockRoute, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, HQ, D], lse [T, HQ] float32, base 2)`` of our CUDA forward kernel."""
-    from megatron_sparsebalance.ops.cuda_attention import forward_with_lse
-
-    return forward_with_lse(q, k, v, route, softmax_scale)
+    return cuda_attention.forward_with_lse(q, k, v, route, softmax_scale)
 
 
 class _Padding:
