@@ -239,8 +239,7 @@ def flash_attn_block_sparse_backward(q1, k1, v1, out1, dout1, lse1, plan: FA4Blo
 @functools.lru_cache(maxsize=None)
 def _own_forward_device(device: torch.device) -> bool:
     """Whether our sm_90a kernels run on ``device`` (a Hopper GPU); asked once per device."""
-    return (native.HAVE_NATIVE_SM90A and native.cuda_kernels_run_on(device)
-            and torch.cuda.get_device_capability(device)[0] == 9)
+    return native.wgmma_kernels_for(device) and native.cuda_kernels_run_on(device)
 
 
 def own_forward_runs_on(q: torch.Tensor) -> bool:

@@ -48,7 +48,7 @@ def device_name(device: torch.device) -> Optional[str]:
 
 def builtin_order(device: torch.device) -> tuple:
     """Today's order without a measurement of this GPU."""
-    if device.type == "cuda" and native.HAVE_NATIVE_SM90A and torch.cuda.get_device_capability(device) == (9, 0):
+    if native.wgmma_kernels_for(device):
         return AUTO_ORDER_HOPPER
     return AUTO_ORDER
 

@@ -41,3 +41,9 @@ def cuda_kernels_run_on(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return bool(_native.kernels_run_on(index))
+
+
+def wgmma_kernels_for(device: torch.device) -> bool:
+    """Whether ``device`` is the GPU our Hopper (sm_90a, wgmma) kernels are built for: compute
+    capability 9.0 exactly (sm_90a code runs on no other) and an extension built with them."""
+    return device.type == "cuda" and HAVE_NATIVE_SM90A and torch.cuda.get_device_capability(device) == (9, 0)
