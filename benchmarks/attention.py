@@ -345,6 +345,11 @@ def error_text(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e)[:200]}"
 
 
+def failed(row: dict, error: str) -> None:
+    """Marks ``row`` as a row without figures: ``error`` says why."""
+    row.update(ms=None, tflops=None, peak_mem_gib=None, error=error)
+
+
 def interleaved_rounds(timers: dict, rounds: int) -> tuple[dict, dict]:
     """Every timer once per round, in the same order each round: ``(samples, errors)`` by key.
 
@@ -437,7 +442,7 @@ def measure_case(group, c: Case, args, flex_fn, ref_impl, impls, router) -> list
                         raise AssertionError(failure)
             prepared[impl] = (forward, step)
         except Exception as e:  # keep going: a missing backend is a row, not a crash
-            row.update(ms=None, tflops=None, peak_mem_gib=None, error=error_text(e))
+            failed(row, error_text(e))
     del reference
     def timer(forward, step):  # a round of one implementation: its steps, then its forwards
         def run(r):
@@ -461,7 +466,7 @@ def measure_case(group, c: Case, args, flex_fn, ref_impl, impls, router) -> list
                 except Exception as e:
                     error = error_text(e)
             if error is not None:
-                row.update(ms=None, tflops=None, peak_mem_gib=None, error=error)
+                failed(row, error)
             del forward, step
         out.append(row)
         print(json.dumps(row), flush=True)
