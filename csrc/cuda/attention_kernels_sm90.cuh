@@ -274,6 +274,22 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
   const uint64_t q_k = kmajor_tile<QT>(Qc), do_k = kmajor_tile<QT>(dOc);
   const uint64_t q_mn = mnmajor_tile<T, QT>(Qc), do_mn = mnmajor_tile<T, QT>(dOc);
   float st[1][NJ][4], dpt[1][NJ][4];
+  // This lane's columns of the tile come in adjacent pairs: one 8-byte load of lse or delta per pair.
+  const auto stat_pair = [&](const float* stat, int j) {
+    return *reinterpret_cast<const float2*>(stat + 8 * j + 2 * (lane % 4));
+  };
+  // Head dim 128: lse is read before the products and delta while dP^T runs (16 registers each),
+  // as FA4 orders them. Read after the waits, both loads queued behind the products' operand reads
+  // in the shared-memory pipe: in ncu's profile of this step (the fused variant's, 3B 64K 25%) the
+  // instructions that take them waited about 900 cycles a step, FA4's 380; read early, the two-pass
+  // backward took 3-6% less at 3B 64K (docs/FA4.md). Head dim 64 holds twice the columns and has
+  // no registers for them.
+  constexpr bool STATS_EARLY = D == 128;
+  float2 lse_r[STATS_EARLY ? NJ : 1], dl_r[STATS_EARLY ? NJ : 1];
+  if constexpr (STATS_EARLY) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) lse_r[j] = stat_pair(lse_c, j);
+  }
   wgmma_fence();
   product_over_head_dim<T, D, KV_ROWS, QT>(st[0], k_desc, wg * WG_ROWS, q_k);
   product_over_head_dim<T, D, KV_ROWS, QT>(dpt[0], v_desc, wg * WG_ROWS, do_k);
@@ -287,8 +303,7 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
   wgmma_wait<1>();  // S^T done; dP^T may still run
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
-    // This lane's columns of the tile come in adjacent pairs: one 8-byte load per pair.
-    const float2 lse2 = *reinterpret_cast<const float2*>(lse_c + 8 * j + 2 * (lane % 4));
+    const float2 lse2 = STATS_EARLY ? lse_r[j] : stat_pair(lse_c, j);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float pe = exp2f(fmaf(st[0][j][e], p.scale_log2, -(e & 1 ? lse2.y : lse2.x)));
@@ -301,6 +316,10 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
 #pragma unroll
   for (int s = 0; s < QT / 16; ++s) wgmma_rs_tb<T, D>(dv[0], pa[0][s], mnmajor_at<T>(do_mn, 16 * s), true);
   wgmma_commit();
+  if constexpr (STATS_EARLY) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) dl_r[j] = stat_pair(dl_c, j);
+  }
   wgmma_wait<1>();  // dP^T done; dV's products run on while dS is computed
   uint32_t da[1][QT / 16][4];
 #pragma unroll
@@ -308,7 +327,7 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
 #pragma unroll
     for (int h = 0; h < 4; ++h) {  // dS = P (dP - delta), straight into A fragments (to_a_frags' order)
       const int j = 2 * s + h / 2, e0 = 2 * (h % 2);
-      const float2 dl = *reinterpret_cast<const float2*>(dl_c + 8 * j + 2 * (lane % 4));
+      const float2 dl = STATS_EARLY ? dl_r[j] : stat_pair(dl_c, j);
       if constexpr (P_FROM_FRAGS)
         da[0][s][h] = mul2<T>(pa[0][s][h], pack2<T>(dpt[0][j][e0] - dl.x, dpt[0][j][e0 + 1] - dl.y));
       else
