@@ -154,6 +154,16 @@ def make_inputs(S, hq, g, d, gen):
     return [x.to(torch.bfloat16) for x in (q, k, v)]
 
 
+def routed_case(S, hq, g, d, density, gen):
+    """One sequence of S tokens (make_inputs) routed at ``density``: q, k, v, the route, and the
+    kernels' arguments after q, k, v (``cuda_attention._forward``'s and its kin's)."""
+    q, k, v = make_inputs(S, hq, g, d, gen)
+    lay = BlockLayout.from_cu_seqlens(torch.tensor([0, S], dtype=torch.int32, device="cuda"), BLOCK, S)
+    route = select_blocks(block_scores(q, k, lay), lay, budget_for_density(S // BLOCK, density))
+    args = (route.kv_idx, route.kv_cnt, lay.block_start, lay.block_end, 1 / math.sqrt(d), BLOCK)
+    return q, k, v, route, args
+
+
 def flex_block_mask(route, hq, S):
     """The route as a FlexAttention BlockMask: off-diagonal selections full, the diagonal partial."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -311,10 +321,7 @@ def tune_triton(shape_names, S=32768, density=0.25):
     report, timings = {}, {}
     for name in shape_names:
         hq, g, d = SHAPES[name]
-        q, k, v = make_inputs(S, hq, g, d, gen)
-        lay = BlockLayout.from_cu_seqlens(torch.tensor([0, S], dtype=torch.int32, device="cuda"), BLOCK, S)
-        route = select_blocks(block_scores(q, k, lay), lay, budget_for_density(S // BLOCK, density))
-        args = (route.kv_idx, route.kv_cnt, lay.block_start, lay.block_end, 1 / math.sqrt(d), BLOCK)
+        q, k, v, _, args = routed_case(S, hq, g, d, density, gen)
         out, lse = ta._forward(q, k, v, *args)
         go = torch.randn_like(q)
         for kind in ("fwd", "dkdv", "dq"):
