@@ -3,31 +3,25 @@
 runs of two builds on one machine (FA4's row is the clock reference between them).
 
     python3 -m benchmarks.probes.step_probe [ROUNDS]"""
-import math
 import statistics
 import sys
 
 import torch
 
-from benchmarks.attention import SHAPES, cuda_times, fa4_direct_tensors, flex_block_mask, routed_case
+from benchmarks.attention import SHAPES, cuda_times, flex_block_mask, routed_case, run_case
 from megatron_sparsebalance.ops import cuda_attention as ca
 
 
 def fa4_step(q, k, v, go, route):
-    """FA4's forward+backward of the selection, or None where flash-attn-4 does not import."""
-    try:
-        from megatron_sparsebalance.ops.fa4_attention import _fa4
-        flash_attn_func, _, causal_mask_mod = _fa4()
-    except Exception:
-        return None
-    fwd_t, bwd_t = fa4_direct_tensors(flex_block_mask(route, q.shape[1], q.shape[0]))
-    inputs = [x.detach().unsqueeze(0).requires_grad_() for x in (q, k, v)]
+    """FA4's forward+backward of the selection, as the benchmark times it (``run_case``'s fa4), or
+    None where flash-attn-4 does not import."""
+    from megatron_sparsebalance.ops.fa4_attention import import_error
 
-    def step():
-        out = flash_attn_func(*inputs, softmax_scale=1 / math.sqrt(q.shape[-1]), mask_mod=causal_mask_mod,
-                              block_sparse_tensors=fwd_t, block_sparse_tensors_bwd=bwd_t)
-        out = out[0] if isinstance(out, tuple) else out
-        torch.autograd.grad(out, inputs, go.unsqueeze(0))
+    if import_error() is not None:
+        return None
+    S, hq = q.shape[0], q.shape[1]
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    _, step = run_case("fa4", *inputs, go, route, S, hq, None, flex_block_mask(route, hq, S))
     return step
 
 
