@@ -1,0 +1,79 @@
+"""Probe: what ``--sparse-attn-impl fa4`` (our forward, FA4's backward) pays that FA4 called
+directly does not, at issue 44's eight cases: each one's forward and forward+backward (medians of
+interleaved rounds), our backward's block-sparse plan alone (``fa4_block_plan``: event-timed, and
+the host's time to issue it), and, at 0.5B 10%, a torch.profiler view of three fa4 steps (kernels
+by GPU time, the GPU's busy time against its span, the largest idle gaps).
+
+    python3 -m benchmarks.probes.fa4_backend_probe [ROUNDS]"""
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks.attention import SHAPES, cuda_times, flex_block_mask, routed_case, run_case
+from megatron_sparsebalance.ops import fa4_attention
+
+CASES = [(shape, S, density) for shape in ("qwen2.5-0.5b", "qwen2.5-3b") for S in (32768, 65536)
+         for density in (0.1, 0.25)]
+
+
+def plan_host_ms(route, hq, repeats=20) -> float:
+    """The host's ms to issue one backward plan (the GPU drained before and after)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fa4_attention.fa4_block_plan(route, hq, forward=False)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / repeats * 1e3
+
+
+def print_profile(step) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels)
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    print("3 steps: GPU span %.3f ms, kernels %.3f ms; largest gaps (us):" % (span / 1e3, busy / 1e3))
+    gaps = sorted(((b.time_range.start - a.time_range.end, a.name[:50], b.name[:50])
+                   for a, b in zip(kernels, kernels[1:])), reverse=True)
+    for gap in gaps[:6]:
+        print("   %.1f  %s -> %s" % gap)
+
+
+def main():
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape, S, density in CASES:
+        hq, g, d = SHAPES[shape]
+        q, k, v, route, _ = routed_case(S, hq, g, d, density, gen)
+        go = torch.randn_like(q)
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        block_mask = flex_block_mask(route, hq, S)
+        runs = {}
+        for impl in ("fa4_backend", "fa4"):
+            runs[impl + ".fwd"], runs[impl] = run_case(impl, *inputs, go, route, S, hq, None, block_mask)
+        runs["plan"] = lambda: fa4_attention.fa4_block_plan(route, hq, forward=False)
+        times = {name: [] for name in runs}
+        for _ in range(rounds):
+            for name, fn in runs.items():
+                times[name] += cuda_times(fn, 10, 2)
+        med = {name: round(statistics.median(t), 3) for name, t in times.items()}
+        med["bwd fa4_backend-fa4"] = round((med["fa4_backend"] - med["fa4_backend.fwd"])
+                                           - (med["fa4"] - med["fa4.fwd"]), 3)
+        print(shape, S, density, med, "plan host %.3f ms" % plan_host_ms(route, hq), flush=True)
+        if shape == "qwen2.5-0.5b" and density == 0.1:
+            print_profile(runs["fa4_backend"])
+
+
+if __name__ == "__main__":
+    main()
