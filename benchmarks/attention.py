@@ -378,6 +378,16 @@ def interleaved_rounds(timers: dict, rounds: int) -> tuple[dict, dict]:
     return samples, errors
 
 
+def interleaved_medians(fns: dict, rounds: int, iters: int, warmup: int) -> dict:
+    """Median ms of each function of ``fns`` over ``rounds`` rounds (:func:`interleaved_rounds`) of
+    ``iters`` runs after ``warmup``, for probes: a function that fails raises here."""
+    samples, errors = interleaved_rounds({key: (lambda r, fn=fn: cuda_times(fn, iters, warmup))
+                                          for key, fn in fns.items()}, rounds)
+    if errors:
+        raise RuntimeError(f"failed while timed: {errors}")
+    return {key: round(statistics.median(t), 3) for key, t in samples.items()}
+
+
 @dataclasses.dataclass
 class Case:
     """One measured case: a shape's inputs at S tokens and, for a sparse density, its route (budget

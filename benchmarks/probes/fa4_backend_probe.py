@@ -5,17 +5,14 @@ the host's time to issue it), and, at 0.5B 10%, a torch.profiler view of three f
 by GPU time, the GPU's busy time against its span, the largest idle gaps).
 
     python3 -m benchmarks.probes.fa4_backend_probe [ROUNDS]"""
-import statistics
 import sys
 import time
 
 import torch
 
-from benchmarks.attention import SHAPES, cuda_times, flex_block_mask, routed_case, run_case
+from benchmarks.attention import SHAPES, flex_block_mask, interleaved_medians, routed_case, run_case
+from benchmarks.probes.step_probe import CASES
 from megatron_sparsebalance.ops import fa4_attention
-
-CASES = [(shape, S, density) for shape in ("qwen2.5-0.5b", "qwen2.5-3b") for S in (32768, 65536)
-         for density in (0.1, 0.25)]
 
 
 def plan_host_ms(route, hq, repeats=20) -> float:
@@ -63,11 +60,7 @@ def main():
         for impl in ("fa4_backend", "fa4"):
             runs[impl + ".fwd"], runs[impl] = run_case(impl, *inputs, go, route, S, hq, None, block_mask)
         runs["plan"] = lambda: fa4_attention.fa4_block_plan(route, hq, forward=False)
-        times = {name: [] for name in runs}
-        for _ in range(rounds):
-            for name, fn in runs.items():
-                times[name] += cuda_times(fn, 10, 2)
-        med = {name: round(statistics.median(t), 3) for name, t in times.items()}
+        med = interleaved_medians(runs, rounds, 10, 2)
         med["bwd fa4_backend-fa4"] = round((med["fa4_backend"] - med["fa4_backend.fwd"])
                                            - (med["fa4"] - med["fa4.fwd"]), 3)
         print(shape, S, density, med, "plan host %.3f ms" % plan_host_ms(route, hq), flush=True)

@@ -3,13 +3,15 @@
 runs of two builds on one machine (FA4's row is the clock reference between them).
 
     python3 -m benchmarks.probes.step_probe [ROUNDS]"""
-import statistics
 import sys
 
 import torch
 
-from benchmarks.attention import SHAPES, cuda_times, flex_block_mask, routed_case, run_case
+from benchmarks.attention import SHAPES, flex_block_mask, interleaved_medians, routed_case, run_case
 from megatron_sparsebalance.ops import cuda_attention as ca
+
+CASES = [(shape, S, density) for shape in ("qwen2.5-0.5b", "qwen2.5-3b") for S in (32768, 65536)
+         for density in (0.1, 0.25)]  # issue 44's eight
 
 
 def fa4_step(q, k, v, go, route):
@@ -28,26 +30,20 @@ def fa4_step(q, k, v, go, route):
 def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for shape in ("qwen2.5-0.5b", "qwen2.5-3b"):
+    for shape, S, dens in CASES:
         hq, g, d = SHAPES[shape]
-        for S in (32768, 65536):
-            for dens in (0.1, 0.25):
-                q, k, v, route, args = routed_case(S, hq, g, d, dens, gen)
-                out, lse = ca._forward(q, k, v, *args)
-                go = torch.randn_like(q)
-                runs = {"fwd": lambda: ca._forward(q, k, v, *args),
-                        "bwd": lambda: ca._backward(go, q, k, v, out, lse, *args)}
-                fa4 = fa4_step(q, k, v, go, route)
-                if fa4 is not None:
-                    runs["fa4_step"] = fa4
-                times = {n: [] for n in runs}
-                for _ in range(rounds):
-                    for n, fn in runs.items():
-                        times[n] += cuda_times(fn, 5, 2)
-                med = {n: round(statistics.median(t), 3) for n, t in times.items()}
-                if "fa4_step" in med:
-                    med["fa4/ours"] = round(med["fa4_step"] / (med["fwd"] + med["bwd"]), 3)
-                print(shape, S, dens, med, flush=True)
+        q, k, v, route, args = routed_case(S, hq, g, d, dens, gen)
+        out, lse = ca._forward(q, k, v, *args)
+        go = torch.randn_like(q)
+        runs = {"fwd": lambda: ca._forward(q, k, v, *args),
+                "bwd": lambda: ca._backward(go, q, k, v, out, lse, *args)}
+        fa4 = fa4_step(q, k, v, go, route)
+        if fa4 is not None:
+            runs["fa4_step"] = fa4
+        med = interleaved_medians(runs, rounds, 5, 2)
+        if "fa4_step" in med:
+            med["fa4/ours"] = round(med["fa4_step"] / (med["fwd"] + med["bwd"]), 3)
+        print(shape, S, dens, med, flush=True)
 
 
 if __name__ == "__main__":
