@@ -16,7 +16,8 @@ block size 128; density = kept fraction of the causal block triangle, reached by
 MoBA budget k for each S and routing random-but-structured q/k with the MoBA router.
 
 Reported per case: median ms of fwd+bwd (CUDA events, after warm-up; a case's implementations
-take turns over ``--rounds`` rounds, so that the GPU's power-capped clock treats them alike), useful TFLOP/s
+take turns over ``--rounds`` rounds in a rotating order, so that the GPU's power-capped clock treats them
+alike), useful TFLOP/s
 (4 * kept_blocks * B^2 * d * 3.5, kept blocks counted per query head; the dense rows count the
 whole causal block triangle) and the peak memory the fwd+bwd allocates beyond its inputs. The
 forward alone is timed too (as training runs it: inputs requiring grad, so it saves what the
@@ -59,8 +60,9 @@ CHECK_MAX_REL = 5e-2
 
 
 NOTES = (
-    "fwd+bwd medians of CUDA events over --rounds rounds (3) of --iters runs (10), a case's implementations "
-    "taking turns round by round (3 warm-ups before the first round, 1 before each later one); one sequence of S tokens, "
+    "fwd+bwd medians of CUDA events over `rounds` rounds of `iters` runs, a case's implementations "
+    "taking turns round by round, each round starting one implementation later (3 warm-ups before the first "
+    "round, 1 before each later one); one sequence of S tokens, "
     "bf16, block 128. "
     "flex: torch.compile'd flex_attention given the same selection (off-diagonal selected blocks as full blocks, "
     "the diagonal as a partial block, mask_mod q >= kv). flex_flash: the same call with kernel_options "
@@ -358,17 +360,22 @@ def failed(row: dict, error: str) -> None:
 
 
 def interleaved_rounds(timers: dict, rounds: int) -> tuple[dict, dict]:
-    """Every timer once per round, in the same order each round: ``(samples, errors)`` by key.
+    """Every timer once per round, round r starting at the r-th: ``(samples, errors)`` by key.
 
     A timer is called with the round's index and returns a list of samples. Why rounds: under
     load an H100 or H200 holds its power limit by moving its SM clock, so a step's time drifts
     by up to 10% within seconds (docs/FA4.md, "Where the backward's time goes"); implementations
     timed one after the other would each see another part of that drift, and taking turns gives
-    each the same mix. A timer that raises gets its error and is left out of later rounds."""
+    each the same mix. Why the turns rotate: the drift is fastest right after a pause (the first
+    steps after one run at the highest clock), so in a fixed order the first timer of every round
+    would get the fast steps; over as many rounds as timers each takes every place once. A timer
+    that raises gets its error and is left out of later rounds."""
     samples = {key: [] for key in timers}
     errors = {}
+    keys = list(timers)
     for r in range(rounds):
-        for key, timer in timers.items():
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            timer = timers[key]
             if key in errors:
                 continue
             try:
@@ -500,7 +507,8 @@ def main(argv=None):
     ap.add_argument("--densities", default=None)
     ap.add_argument("--iters", type=int, default=10, help="timed runs per round")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds in which a case's implementations take turns (interleaved_rounds)")
+                    help="rounds in which a case's implementations take turns (interleaved_rounds); as many "
+                         "as implementations give each every place once")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/attention_h200.json)")
     ap.add_argument("--markdown", default=None, metavar="JSON",
                     help="print the markdown table of a results file (docs/BENCHMARKS.md's) and exit")
@@ -524,7 +532,7 @@ def main(argv=None):
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), block_size=BLOCK, dtype="bfloat16",
-                notes=NOTES)
+                rounds=args.rounds, iters=args.iters, notes=NOTES)
     tuned = None
     if args.tune and "triton" in impls:
         tuned, meta["triton_tune_ms"] = tune_triton(shapes)  # every candidate's time, kept with the pick

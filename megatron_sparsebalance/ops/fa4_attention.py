@@ -37,7 +37,9 @@ our base 2 (``lse2 = log2(sum exp2(S scale log2 e))``) to FA4's base e. Elsewher
 extension, or a head dim other than 64 and 128) both directions are FA4's.
 
 The index construction (:func:`fa4_block_plan`) is plain torch and runs on any device; the
-tests check it on the CPU against a naive per-element construction.
+tests check it on the CPU against a naive per-element construction. The backward, which builds
+its tensors in every layer, takes them from one launch of our extension where it runs
+(:func:`fa4_backward_plan`), tested on the GPU against the torch construction.
 
 Shape legend: T tokens, HQ query heads, G KV-head groups, D head dim, NB our blocks, K max budget,
 f = B / 128 sub-blocks per block, M = NB * f sub-blocks (128-token blocks of the padded sequence),
@@ -118,6 +120,22 @@ def full_sub_blocks(route: BlockRoute) -> torch.Tensor:
     return sel.tril(-1)
 
 
+def backward_width(layout: BlockLayout) -> int:
+    """Width of the backward's index: the longest list of a KV sub-block, ``f * (the most blocks
+    of one sequence) - 1``, since a block's readers are in its sequence (a bound on the host)."""
+    f = layout.block_size // FA4_BLOCK
+    return max(1, layout.max_blocks_per_seq * f - 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _diagonal_tensors(num_query_heads: int, num_sub_blocks: int, device: torch.device) -> tuple:
+    """``(cnt [1, HQ, M], idx [1, HQ, M, 1])``: each sub-block's one partial block, its own. They
+    depend on the shape alone, so every layer's backward of a micro-batch reuses one pair."""
+    cnt = torch.ones(1, num_query_heads, num_sub_blocks, dtype=torch.int32, device=device)
+    idx = torch.arange(num_sub_blocks, dtype=torch.int32, device=device).view(1, 1, num_sub_blocks, 1)
+    return cnt, idx.expand(1, num_query_heads, num_sub_blocks, 1).contiguous()
+
+
 def fa4_block_plan(route: BlockRoute, num_query_heads: int, forward: bool = True) -> FA4BlockPlan:
     """FA4's forward and transposed (backward) block-sparse tensors for ``route``; with
     ``forward=False`` the backward's alone (our forward kernel needs none of FA4's).
@@ -136,17 +154,35 @@ def fa4_block_plan(route: BlockRoute, num_query_heads: int, forward: bool = True
     M = NB * f
     dev = route.kv_idx.device
     full = full_sub_blocks(route)
-    # the partial block, the same in both directions: each sub-block's own
-    diag = [torch.ones(1, num_query_heads, M, dtype=torch.int32, device=dev),
-            torch.arange(M, dtype=torch.int32, device=dev).view(1, 1, M, 1).expand(1, num_query_heads, M, 1)
-            .contiguous()]
+    diag = list(_diagonal_tensors(num_query_heads, M, dev))  # the partial block, the same in both directions
 
     def per_head(*tensors):
         return [x.repeat_interleave(R, 0).unsqueeze(0) for x in tensors]
 
-    bwd = diag + per_head(*compact_rows(full.transpose(1, 2), max(1, min(M, lay.max_blocks_per_seq * f - 1))))
+    bwd = diag + per_head(*compact_rows(full.transpose(1, 2), min(M, backward_width(lay))))
     fwd = diag + per_head(*compact_rows(full, max(1, min(M, K * f - 1)))) if forward else [None] * 4
     return FA4BlockPlan(*fwd, *bwd, num_sub_blocks=M)
+
+
+def fa4_backward_plan(route: BlockRoute, num_query_heads: int) -> FA4BlockPlan:
+    """The backward's tensors of :func:`fa4_block_plan` (``forward=False``), built in every layer's
+    backward: by one launch of our CUDA extension where it runs on the route's device
+    (``fa4_backward_index_cuda``; the torch ops are about twenty launches, 0.4-0.6 ms of host time
+    on an H100), else by :func:`fa4_block_plan`. Both give the same counts and the same first ``cnt``
+    entries of every row (the rest of a row is unspecified in both)."""
+    kv_idx = route.kv_idx
+    if not (kv_idx.is_cuda and native.cuda_kernels_run_on(kv_idx.device)):
+        return fa4_block_plan(route, num_query_heads, forward=False)
+    lay = route.layout
+    check_block_size(lay.block_size)
+    G, NB, _ = kv_idx.shape
+    if num_query_heads % G:
+        raise ValueError(f"query heads ({num_query_heads}) must be a multiple of KV groups ({G})")
+    f = lay.block_size // FA4_BLOCK
+    cnt, idx = native.native().fa4_backward_index_cuda(kv_idx.contiguous(), route.kv_cnt.contiguous(),
+                                                       num_query_heads // G, f, backward_width(lay))
+    return FA4BlockPlan(None, None, None, None, *_diagonal_tensors(num_query_heads, NB * f, kv_idx.device),
+                        cnt, idx, num_sub_blocks=NB * f)
 
 
 def padded_positions(layout: BlockLayout) -> Optional[torch.Tensor]:
@@ -284,7 +320,7 @@ class _OwnForwardFA4Backward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        plan = fa4_block_plan(ctx.route, q.shape[1], forward=False)
+        plan = fa4_backward_plan(ctx.route, q.shape[1])
         padding = _Padding(ctx.route.layout, plan.num_sub_blocks)
         # padding rows get lse 0: their q, out and dout are zeros, so P is finite and dS = 0
         lse1 = (padding.pad(lse) * LN2).transpose(1, 2).contiguous()

@@ -83,6 +83,34 @@ def test_large_values_no_nan():
         assert torch.isfinite(t).all()
 
 
+@pytest.mark.parametrize("block", [128, 256])
+@pytest.mark.parametrize("hq,g", [(14, 2), (16, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("lens,budget", [([97], 1), ([1025], "all"), ([300, 97, 1025, 64], "half"),
+                                         ([4000, 129, 2048], 3), ([9000], 7)])
+def test_backward_plan_of_the_extension_equals_the_torch_one(block, hq, g, lens, budget):
+    """The backward's tensors from our one-launch CUDA index (fa4_backward_plan) against the torch
+    construction the CPU tests check against FA4's semantics (fa4_block_plan): the same counts, the
+    same first cnt entries of every row, the same partial blocks. Needs the extension, not FA4."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    reason = unavailable_reason("cuda", torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"the CUDA extension: {reason}")
+    *_, route = _pack(lens, hq, g, 64, torch.bfloat16, block, budget)
+    got = fa4_attention.fa4_backward_plan(route, hq)
+    want = fa4_attention.fa4_block_plan(route, hq, forward=False)
+    assert got.num_sub_blocks == want.num_sub_blocks
+    assert got.fwd_full_cnt is None and got.fwd_full_idx is None
+    for name in ("bwd_mask_cnt", "bwd_mask_idx", "bwd_full_cnt"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    cnt = want.bwd_full_cnt.cpu()
+    assert int(cnt.max()) <= got.bwd_full_idx.shape[-1] and got.bwd_full_idx.shape[:3] == want.bwd_full_idx.shape[:3]
+    assert int(cnt.sum()) > 0 or budget == 1
+    width = want.bwd_full_idx.shape[-1]
+    valid = torch.arange(width) < cnt[..., None]
+    assert torch.equal(got.bwd_full_idx[..., :width].cpu()[valid], want.bwd_full_idx.cpu()[valid])
+
+
 def test_block_64_is_refused_by_name():
     fn = _fa4()
     q, k, v, route = _pack([300], 4, 2, 64, torch.bfloat16, 64, 2)
