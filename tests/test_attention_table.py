@@ -140,6 +140,7 @@ def test_implementations_take_turns_in_rotating_order_and_one_that_fails_drops_o
     assert samples == {"cuda": [0.0, 1.0, 10.0, 11.0, 20.0, 21.0], "fa4": [0.0, 1.0],
                        "flex": [0.0, 1.0, 10.0, 11.0, 20.0, 21.0]}
     assert errors == {"fa4": "RuntimeError: out of memory"}
+    assert interleaved_rounds({}, rounds=3) == ({}, {})  # every implementation failed its check
 
 
 def test_a_case_checks_every_implementation_before_timing_them_in_turns(monkeypatch):

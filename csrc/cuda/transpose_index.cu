@@ -115,9 +115,10 @@ fill_kernel(const int* kv_idx, const int* kv_cnt, int nb, int width, const int* 
 //
 // Why by hand: the same tensors from torch ops (a dense [G, M, M] selection, a sort, a repeat for
 // the heads of each group) are about twenty launches, 0.4-0.6 ms of host time on an H100 in every
-// layer's backward, which at 32K tokens the GPU waited for; this is one launch, writing every head of the
-// group at once and only the entries FA4 reads (the rest of idx is left as allocated). The
-// order inside each list is fixed by construction (ballots in row order, no atomics).
+// layer's backward, which at 32K tokens the GPU waited for; this is one launch, writing every
+// head of the group at once and only the entries FA4 reads (the rest of idx is left as
+// allocated). The order inside each list is fixed by construction (ballots in row order, no
+// atomics).
 __global__ void __launch_bounds__(LIST_THREADS)
 fa4_backward_index_kernel(const int* kv_idx, const int* kv_cnt, int nb, int width, int heads_per_group, int f,
                           int out_width, int* cnt, int* idx) {
