@@ -12,6 +12,9 @@
 //   red_v2  every thread adds its wgmma fragments with red.global.add.v2.f32 into a row-major
 //           tile (the fused-dq-wip branch's way: 8-byte adds spread over the tile's rows)
 //   store   plain coalesced 16-byte stores of the same bytes (no read): the write bandwidth
+//   bulk_s32, red_s32: bulk and red adds of int32 (fixed point, whose sum is the same in any
+//           order: the deterministic reduction docs/FA4.md designs); red_s32 adds 4-byte values,
+//           thread fastest, since red has no vector form for integers
 // Build and run on the GPU machine: nvcc -O3 -arch=sm_90a -o /tmp/reduce_rate benchmarks/probes/reduce_rate.cu
 // && /tmp/reduce_rate. Prints one JSON object per line. Timing only: the values added are not checked.
 #include <cstdint>
@@ -35,7 +38,7 @@ __device__ __forceinline__ uint32_t tile_of(uint64_t i, uint32_t num_tiles, uint
   return static_cast<uint32_t>(start + (z ^ (z >> 31)) % window);
 }
 
-template <int INFLIGHT>
+template <int INFLIGHT, bool INT32>
 __global__ void __launch_bounds__(THREADS) bulk_kernel(float* acc, uint32_t num_tiles, uint64_t adds, uint32_t window) {
   extern __shared__ __align__(128) float tile[];  // INFLIGHT tiles
   for (int i = threadIdx.x; i < INFLIGHT * TILE_FLOATS; i += THREADS) tile[i] = 1e-3f * (i & 7);
@@ -48,8 +51,12 @@ __global__ void __launch_bounds__(THREADS) bulk_kernel(float* acc, uint32_t num_
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(INFLIGHT - 1) : "memory");
     const float* g = acc + static_cast<uint64_t>(tile_of(i, num_tiles, adds, window)) * TILE_FLOATS;
     uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(tile + buf * TILE_FLOATS));
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                 ::"l"(g), "r"(s), "r"(TILE_FLOATS * 4) : "memory");
+    if constexpr (INT32)
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.s32 [%0], [%1], %2;\n"
+                   ::"l"(g), "r"(s), "r"(TILE_FLOATS * 4) : "memory");
+    else
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                   ::"l"(g), "r"(s), "r"(TILE_FLOATS * 4) : "memory");
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     buf = (buf + 1) % INFLIGHT;
   }
@@ -64,6 +71,16 @@ __global__ void __launch_bounds__(THREADS) red_v4_kernel(float* acc, uint32_t nu
     for (int j = 0; j < TILE_FLOATS / (4 * THREADS); ++j)
       asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
                    ::"l"(g + (j * THREADS + threadIdx.x) * 4), "f"(a), "f"(a), "f"(a), "f"(a) : "memory");
+  }
+}
+
+__global__ void __launch_bounds__(THREADS) red_s32_kernel(float* acc, uint32_t num_tiles, uint64_t adds, uint32_t window) {
+  const int a = threadIdx.x & 7;
+  for (uint64_t i = blockIdx.x; i < adds; i += gridDim.x) {
+    int* g = reinterpret_cast<int*>(acc + static_cast<uint64_t>(tile_of(i, num_tiles, adds, window)) * TILE_FLOATS);
+#pragma unroll
+    for (int j = 0; j < TILE_FLOATS / THREADS; ++j)
+      asm volatile("red.global.add.s32 [%0], %1;\n" ::"l"(g + j * THREADS + threadIdx.x), "r"(a) : "memory");
   }
 }
 
@@ -133,7 +150,8 @@ int main() {
   CHECK(cudaMemset(acc, 0, static_cast<size_t>(num_tiles) * TILE_FLOATS * 4));
   const double gb = adds * TILE_FLOATS * 4.0 / 1e9;
   const int sms = prop.multiProcessorCount;
-  CHECK(cudaFuncSetAttribute(bulk_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * TILE_FLOATS * 4));
+  CHECK(cudaFuncSetAttribute(bulk_kernel<2, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * TILE_FLOATS * 4));
+  CHECK(cudaFuncSetAttribute(bulk_kernel<2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * TILE_FLOATS * 4));
   auto report = [&](const char* mode, int inflight, int ctas_per_sm, uint32_t window, float ms) {
     printf("{\"gpu\": \"%s\", \"mode\": \"%s\", \"inflight\": %d, \"ctas_per_sm\": %d, \"window_mb\": %.0f, "
            "\"gb\": %.2f, \"ms\": %.3f, \"tb_per_s\": %.3f}\n",
@@ -142,7 +160,10 @@ int main() {
   for (uint32_t window : {num_tiles, 4096u, 1024u, 256u}) {
     const int grid = sms;
     report("bulk", 2, 1, window, median_ms([&] {
-      bulk_kernel<2><<<grid, THREADS, 2 * TILE_FLOATS * 4>>>(acc, num_tiles, adds, window); }, 5));
+      bulk_kernel<2, false><<<grid, THREADS, 2 * TILE_FLOATS * 4>>>(acc, num_tiles, adds, window); }, 5));
+    report("bulk_s32", 2, 1, window, median_ms([&] {
+      bulk_kernel<2, true><<<grid, THREADS, 2 * TILE_FLOATS * 4>>>(acc, num_tiles, adds, window); }, 5));
+    report("red_s32", 0, 1, window, median_ms([&] { red_s32_kernel<<<grid, THREADS>>>(acc, num_tiles, adds, window); }, 5));
     report("red_v4", 0, 1, window, median_ms([&] { red_v4_kernel<<<grid, THREADS>>>(acc, num_tiles, adds, window); }, 5));
     report("red_v2", 0, 1, window, median_ms([&] { red_v2_kernel<<<grid, THREADS>>>(acc, num_tiles, adds, window); }, 5));
     report("store", 0, 1, window, median_ms([&] { store_kernel<<<grid, THREADS>>>(acc, num_tiles, adds, window); }, 5));
