@@ -6,13 +6,12 @@ it), and, at 0.5B 10%, a torch.profiler view of three fa4 steps (kernels by GPU 
 busy time against its span, the largest idle gaps).
 
     python3 -m benchmarks.probes.fa4_backend_probe [ROUNDS]"""
-import sys
 import time
 
 import torch
 
-from benchmarks.attention import SHAPES, flex_block_mask, interleaved_medians, routed_case, run_case
-from benchmarks.probes.step_probe import CASES
+from benchmarks.attention import flex_block_mask, interleaved_medians, run_case
+from benchmarks.probes.step_probe import rounds_from_argv, routed_cases
 from megatron_sparsebalance.ops import fa4_attention
 
 
@@ -49,11 +48,9 @@ def print_profile(step) -> None:
 
 
 def main():
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for shape, S, density in CASES:
-        hq, g, d = SHAPES[shape]
-        q, k, v, route, _ = routed_case(S, hq, g, d, density, gen)
+    rounds = rounds_from_argv()
+    for shape, S, density, q, k, v, route, _ in routed_cases():
+        hq = q.shape[1]
         go = torch.randn_like(q)
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
         block_mask = flex_block_mask(route, hq, S)

@@ -14,6 +14,19 @@ CASES = [(shape, S, density) for shape in ("qwen2.5-0.5b", "qwen2.5-3b") for S i
          for density in (0.1, 0.25)]  # issue 44's eight
 
 
+def routed_cases():
+    """Issue 44's eight cases as the probes take them, one after the other from one generator:
+    ``(shape, S, density, q, k, v, route, args)``, as :func:`benchmarks.attention.routed_case` builds them."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape, S, density in CASES:
+        yield (shape, S, density, *routed_case(S, *SHAPES[shape], density, gen))
+
+
+def rounds_from_argv() -> int:
+    """The probes' one argument: interleaved rounds (3 when left out)."""
+    return int(sys.argv[1]) if len(sys.argv) > 1 else 3
+
+
 def fa4_step(q, k, v, go, route):
     """FA4's forward+backward of the selection, as the benchmark times it (``run_case``'s fa4), or
     None where flash-attn-4 does not import."""
@@ -28,11 +41,8 @@ def fa4_step(q, k, v, go, route):
 
 
 def main():
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for shape, S, dens in CASES:
-        hq, g, d = SHAPES[shape]
-        q, k, v, route, args = routed_case(S, hq, g, d, dens, gen)
+    rounds = rounds_from_argv()
+    for shape, S, dens, q, k, v, route, args in routed_cases():
         out, lse = ca._forward(q, k, v, *args)
         go = torch.randn_like(q)
         runs = {"fwd": lambda: ca._forward(q, k, v, *args),

@@ -71,6 +71,15 @@ def check_block_size(block_size: int) -> None:
                          f"kernels tile keys in 128-token blocks), got --moba-block-size {block_size}")
 
 
+def heads_per_group(route: BlockRoute, num_query_heads: int) -> int:
+    """R, the query heads of each KV group, after the checks every plan of ``route`` needs."""
+    check_block_size(route.layout.block_size)
+    G = route.kv_idx.shape[0]
+    if num_query_heads % G:
+        raise ValueError(f"query heads ({num_query_heads}) must be a multiple of KV groups ({G})")
+    return num_query_heads // G
+
+
 @dataclass(frozen=True)
 class FA4BlockPlan:
     """FA4's block-sparse tensors for one route, per query head, batch 1.
@@ -145,11 +154,8 @@ def fa4_block_plan(route: BlockRoute, num_query_heads: int, forward: bool = True
     query block, ``max_blocks_per_seq * f - 1`` for a KV block (its readers are in its sequence).
     """
     lay = route.layout
-    check_block_size(lay.block_size)
-    G, NB, K = route.kv_idx.shape
-    if num_query_heads % G:
-        raise ValueError(f"query heads ({num_query_heads}) must be a multiple of KV groups ({G})")
-    R = num_query_heads // G
+    R = heads_per_group(route, num_query_heads)
+    _, NB, K = route.kv_idx.shape
     f = lay.block_size // FA4_BLOCK
     M = NB * f
     dev = route.kv_idx.device
@@ -174,13 +180,11 @@ def fa4_backward_plan(route: BlockRoute, num_query_heads: int) -> FA4BlockPlan:
     if not (kv_idx.is_cuda and native.cuda_kernels_run_on(kv_idx.device)):
         return fa4_block_plan(route, num_query_heads, forward=False)
     lay = route.layout
-    check_block_size(lay.block_size)
-    G, NB, _ = kv_idx.shape
-    if num_query_heads % G:
-        raise ValueError(f"query heads ({num_query_heads}) must be a multiple of KV groups ({G})")
+    R = heads_per_group(route, num_query_heads)
+    NB = kv_idx.shape[1]
     f = lay.block_size // FA4_BLOCK
-    cnt, idx = native.native().fa4_backward_index_cuda(kv_idx.contiguous(), route.kv_cnt.contiguous(),
-                                                       num_query_heads // G, f, backward_width(lay))
+    cnt, idx = native.native().fa4_backward_index_cuda(kv_idx.contiguous(), route.kv_cnt.contiguous(), R, f,
+                                                       backward_width(lay))
     return FA4BlockPlan(None, None, None, None, *_diagonal_tensors(num_query_heads, NB * f, kv_idx.device),
                         cnt, idx, num_sub_blocks=NB * f)
 
