@@ -90,7 +90,7 @@ def capture_attention(model, ids: torch.Tensor) -> list[dict]:
 def fixed_point_sum(partials: torch.Tensor, bound: torch.Tensor, bits: int) -> tuple[torch.Tensor, float]:
     """Sum of ``partials`` ``[P, ..., D]`` (float32) over dim 0 after rounding each to units of
     ``bound / 2^bits`` (``bound`` broadcast over D), exactly (int64), and the largest |partial sum|
-    in units, which must stay below 2^31 for int32."""
+    in units in the blocks' order (every order's stays under the bound, 2^(bits - 1) units)."""
     unit = (bound / 2.0**bits).unsqueeze(-1)
     q = torch.round(partials.double() / unit).to(torch.int64)
     if bits <= 22 and int(q.abs().max()) >= 2**22:
@@ -99,21 +99,25 @@ def fixed_point_sum(partials: torch.Tensor, bound: torch.Tensor, bits: int) -> t
     return prefix[-1].double() * unit, float(prefix.abs().max())
 
 
-def errors(approx: torch.Tensor, exact: torch.Tensor) -> dict:
-    """Error over each row's largest |exact| (rows along dim 0, the last dim the columns), log2:
-    the largest and the median over rows. Rows whose gradient vanishes (a row that reads only its
-    own key has dS = 0) are left out: any error there is absolute, not relative."""
+def live_rows(exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest |exact| (the last dim the columns) and the rows to measure: those whose
+    gradient does not vanish (a row that reads only its own key has dS = 0, and any error there is
+    absolute, not relative)."""
     scale = exact.abs().amax(-1)
-    live = scale > 1e-9 * scale.median()
+    return scale, scale > 1e-9 * scale.median()
+
+
+def errors(approx: torch.Tensor, exact: torch.Tensor) -> dict:
+    """Error over each row's largest |exact|, log2: the largest and the median over live rows."""
+    scale, live = live_rows(exact)
     rel = ((approx - exact).abs().amax(-1)[live] / scale[live]).flatten()
     return {"max_log2": round(math.log2(float(rel.max()) + 1e-300), 2),
             "median_log2": round(math.log2(float(rel.median()) + 1e-300), 2)}
 
 
 def looseness(bound: torch.Tensor, exact: torch.Tensor) -> dict:
-    """log2 of bound over the row's largest |exact|: quantiles over the rows errors() keeps."""
-    scale = exact.abs().amax(-1)
-    live = scale > 1e-9 * scale.median()
+    """log2 of bound over the row's largest |exact|: quantiles over live rows."""
+    scale, live = live_rows(exact)
     r = torch.log2(bound[live] / scale[live]).flatten()
     return {q: round(float(torch.quantile(r, p)), 2) for q, p in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))}
 
@@ -202,7 +206,7 @@ def main(argv=None) -> None:
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     ids = real_document_ids(tok, args.tokens)
     layers = capture_attention(model, ids)
     cfg = model.config
