@@ -2,7 +2,11 @@
 (where flash-attn-4 imports), at issue 44's eight cases: ms, medians of interleaved rounds. For A/B
 runs of two builds on one machine (FA4's row is the clock reference between them).
 
-    python3 -m benchmarks.probes.step_probe [ROUNDS]"""
+    python3 -m benchmarks.probes.step_probe [ROUNDS]
+    python3 -m benchmarks.probes.step_probe --once SHAPE S DENSITY
+
+``--once``: one forward and three two-pass backwards of one case and nothing else, for a profiler
+(``benchmarks/probes/ncu_source.sh`` profiles a kernel's third launch)."""
 import sys
 
 import torch
@@ -40,7 +44,22 @@ def fa4_step(q, k, v, go, route):
     return step
 
 
+def once(shape: str, S: int, density: float):
+    """The ``--once`` run: one case by :func:`benchmarks.attention.routed_case` from a generator seeded
+    0, a forward, three backwards."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, route, args = routed_case(S, *SHAPES[shape], density, gen)
+    out, lse = ca._forward(q, k, v, *args)
+    go = torch.randn_like(q)
+    for _ in range(3):
+        ca._backward(go, q, k, v, out, lse, *args)
+    torch.cuda.synchronize()
+
+
 def main():
+    if sys.argv[1:2] == ["--once"]:
+        once(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        return
     rounds = rounds_from_argv()
     for shape, S, dens, q, k, v, route, args in routed_cases():
         out, lse = ca._forward(q, k, v, *args)
