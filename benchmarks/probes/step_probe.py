@@ -48,7 +48,7 @@ def once(shape: str, S: int, density: float):
     """The ``--once`` run: one case by :func:`benchmarks.attention.routed_case` from a generator seeded
     0, a forward, three backwards."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, route, args = routed_case(S, *SHAPES[shape], density, gen)
+    q, k, v, _, args = routed_case(S, *SHAPES[shape], density, gen)
     out, lse = ca._forward(q, k, v, *args)
     go = torch.randn_like(q)
     for _ in range(3):
