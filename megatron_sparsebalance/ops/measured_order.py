@@ -14,9 +14,9 @@ MEASURED = {
         'source': 'benchmarks/results/attention_h100.json',
     },
     'NVIDIA H200': {
-        'cases': 24,
-        'geomean_ms': {'cuda': 3.03, 'triton': 5.1856},
-        'order': ['cuda', 'triton'],
-        'source': 'benchmarks/results/attention_h200.json',
+        'cases': 8,
+        'geomean_ms': {'fa4': 6.7464, 'cuda': 7.1709},
+        'order': ['fa4', 'cuda'],
+        'source': 'benchmarks/results/attention_h200_fa4.json',
     },
 }
