@@ -282,8 +282,9 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
   // as FA4 orders them. Read after the waits, both loads queued behind the products' operand reads
   // in the shared-memory pipe: in ncu's profile of this step (the fused variant's, 3B 64K 25%) the
   // instructions that take them waited about 900 cycles a step, FA4's 380; read early, the two-pass
-  // backward took 3-6% less at 3B 64K (docs/FA4.md). Head dim 64 holds twice the columns and has
-  // no registers for them.
+  // backward took 3-6% less at 3B 64K (docs/FA4.md). At head dim 64 (twice the columns, 64
+  // registers for both) the 0.5B backward was 1-5% slower with both read early and no faster with
+  // lse alone: the late reads stay there.
   constexpr bool STATS_EARLY = D == 128;
   float2 lse_r[STATS_EARLY ? NJ : 1], dl_r[STATS_EARLY ? NJ : 1];
   if constexpr (STATS_EARLY) {
