@@ -167,8 +167,12 @@ def probe_group(q, k, v, do, allowed, scale, bands: int) -> dict:
     assert bool((torch.einsum("rij,rid->jd", ds.abs(), q.abs()).amax(-1) * scale <= b_dk / 2 * (1 + 1e-9)).all()), "dK bound"
     edges = [round(L * i / bands) for i in range(bands + 1)]
     p16, do16, q16 = p.to(torch.bfloat16).float(), do.to(torch.bfloat16).float(), q.to(torch.bfloat16).float()
-    dv_parts = torch.stack([torch.einsum("rij,rid->jd", p16[:, a:b], do16[:, a:b]) for a, b in zip(edges, edges[1:])])
-    dk_parts = torch.stack([torch.einsum("rij,rid->jd", ds16[:, a:b], q16[:, a:b]) for a, b in zip(edges, edges[1:])]) * scale
+
+    def per_band(scores, rows):  # [bands, L, D]: each band of query rows' share of scores^T rows
+        return torch.stack([torch.einsum("rij,rid->jd", scores[:, a:b], rows[:, a:b]) for a, b in zip(edges, edges[1:])])
+
+    dv_parts = per_band(p16, do16)
+    dk_parts = per_band(ds16, q16) * scale
     live = n_j > 0
     for name, exact, parts_, bound in (("dv", dv, dv_parts, b_dv), ("dk", dk, dk_parts, b_dk)):
         fx, peak = fixed_point_sum(parts_[:, live], bound[live], 30)
