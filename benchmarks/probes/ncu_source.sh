@@ -4,6 +4,10 @@
 # writes OUT_PREFIX.sass.csv (the source page: SASS with samples per instruction), OUT_PREFIX.raw.csv
 # (every metric) and OUT_PREFIX.log; the report itself stays in /tmp.
 set -uo pipefail
+if [ $# -lt 4 ] || [ "$3" != "--" ]; then
+  echo "usage: $0 OUT_PREFIX KERNEL_REGEX -- COMMAND..." >&2
+  exit 2
+fi
 prefix=$1 kernel=$2
 shift 3
 rep=/tmp/$(basename "$prefix")
