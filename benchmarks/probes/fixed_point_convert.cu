@@ -27,14 +27,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                   \
-  do {                                                                             \
-    cudaError_t e = (x);                                                           \
-    if (e != cudaSuccess) {                                                        \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      return 1;                                                                    \
-    }                                                                              \
-  } while (0)
+#include "cuda_check.h"
 
 constexpr int THREADS = 256, VALUES = 64, SUMS = 4;
 constexpr float M_HI = 3221225472.f;  // 1.5 * 2^31

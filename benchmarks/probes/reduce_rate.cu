@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <cuda_runtime.h>
 
+#include "cuda_check.h"
+
 constexpr int TILE_ROWS = 64, TILE_COLS = 128;
 constexpr int TILE_FLOATS = TILE_ROWS * TILE_COLS;  // 8192 floats, 32 KB
 constexpr int THREADS = 256;                        // two warpgroups, 32 floats each per tile
@@ -110,15 +112,6 @@ __global__ void __launch_bounds__(THREADS) store_kernel(float* acc, uint32_t num
     for (int j = 0; j < TILE_FLOATS / (4 * THREADS); ++j) g[j * THREADS + threadIdx.x] = a;
   }
 }
-
-#define CHECK(x)                                                                     \
-  do {                                                                               \
-    cudaError_t e = (x);                                                             \
-    if (e != cudaSuccess) {                                                          \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      return 1;                                                                      \
-    }                                                                                \
-  } while (0)
 
 template <typename Launch>
 float median_ms(Launch launch, int reps) {
