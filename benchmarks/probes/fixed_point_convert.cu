@@ -1,11 +1,11 @@
 // Can a deterministic one-pass backward convert its dQ to int32 fixed point without taking the
-// exponentials' pipe? (issue 44, docs/FA4.md, "What it would take")
+// exponentials' pipe? (issue 44, docs/FA4.md, "A deterministic one-pass backward: the reduction")
 //
-// The fused int32 build of issue 44 converted each consumer thread's dQ values with
-// cvt.rni.s32.f32 (F2I), which runs on the same quarter-rate pipe (XU) as the exponentials: at head
-// dim 128 a consumer thread of a fused step takes 64 exponentials and converts 64 dQ values, so the
-// pipe carried twice the forward's load, and the conversion cost 6-12% at Qwen2.5-3B. The same
-// rounding can be done on the FMA pipe: for |y| < 2^30 - 256,
+// The fused int32 build of issue 44 converted each consumer thread's dQ values with cvt.rni.s32.f32
+// (F2I), which runs on the same quarter-rate pipe (XU) as the exponentials: a consumer thread of a
+// fused step converts as many dQ values as it takes exponentials (32 of each at head dim 128), so
+// the pipe carried twice the exponentials' load, and the conversion cost 6-12% at Qwen2.5-3B. The
+// same rounding can be done on the FMA pipe: for |y| < 2^30 - 256,
 //   t  = y + 1.5 * 2^31          t's ulp is 256: y rounded to a multiple of 256, plus the constant
 //   hi = t - 1.5 * 2^31          exact
 //   lo = y - hi                  exact (|lo| <= 128, a multiple of y's ulp)
