@@ -57,7 +57,7 @@ __device__ __forceinline__ float ex2(float x) {
   return r;
 }
 
-// Values of every magnitude from 2^-30 to 2^30 and the ties half-way between integers, each
+// Values of every magnitude from 2^-31 to 2^30 and the ties half-way between integers, each
 // converted both ways; counts the values where the two differ.
 __global__ void check_kernel(uint64_t n, unsigned long long* mismatches, unsigned long long* checked) {
   unsigned long long bad = 0, seen = 0;
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(THREADS, 1) step_kernel(int steps, float a, fl
     for (int i = 0; i < VALUES; ++i) {
       if constexpr (EXPS) s[i] = fmaf(ex2(s[i]), a, b);  // stays near -2
       if constexpr (C != Convert::none) {
-        x[i] = fmaf(x[i], 1.f, a);  // a new value each step, barely growing
+        x[i] = fmaf(x[i], 1.f, a);  // fed back (a is below x's ulp: x stays, but no compiler can know)
         sum[i % SUMS] += C == Convert::cvt ? fixed_cvt(x[i]) : fixed_split(x[i]);
       }
     }
