@@ -11,7 +11,7 @@ import time
 import torch
 
 from benchmarks.attention import flex_block_mask, interleaved_medians, run_case
-from benchmarks.probes.step_probe import rounds_from_argv, routed_cases
+from benchmarks.probes.step_probe import print_profile, rounds_from_argv, routed_cases
 from megatron_sparsebalance.ops import fa4_attention
 
 
@@ -24,27 +24,6 @@ def plan_host_ms(build_plan, repeats=20) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / repeats * 1e3
-
-
-def print_profile(step) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
-    busy = sum(e.time_range.end - e.time_range.start for e in kernels)
-    span = kernels[-1].time_range.end - kernels[0].time_range.start
-    print("3 steps: GPU span %.3f ms, kernels %.3f ms; largest gaps (us):" % (span / 1e3, busy / 1e3))
-    gaps = sorted(((b.time_range.start - a.time_range.end, a.name[:50], b.name[:50])
-                   for a, b in zip(kernels, kernels[1:])), reverse=True)
-    for gap in gaps[:6]:
-        print("   %.1f  %s -> %s" % gap)
 
 
 def main():
@@ -65,7 +44,7 @@ def main():
         host = ", ".join("%s host %.3f ms" % (name, plan_host_ms(build)) for name, build in plans.items())
         print(shape, S, density, med, host, flush=True)
         if shape == "qwen2.5-0.5b" and density == 0.1:
-            print_profile(runs["fa4_backend"])
+            print_profile({"fa4_backend": runs["fa4_backend"]})
 
 
 if __name__ == "__main__":

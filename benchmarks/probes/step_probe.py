@@ -4,14 +4,27 @@ runs of two builds on one machine (FA4's row is the clock reference between them
 
     python3 -m benchmarks.probes.step_probe [ROUNDS]
     python3 -m benchmarks.probes.step_probe --once SHAPE S DENSITY
+    python3 -m benchmarks.probes.step_probe --profile [ROUNDS]
+    python3 -m benchmarks.probes.step_probe --clocks
 
 ``--once``: one forward and three two-pass backwards of one case and nothing else, for a profiler
-(``benchmarks/probes/ncu_source.sh`` profiles a kernel's third launch)."""
+(``benchmarks/probes/ncu_source.sh`` profiles a kernel's third launch). ``--profile``: per case,
+our ``cuda`` forward+backward step as the benchmark times it (``run_case``) and FA4's where it
+imports, their event-timed medians, then torch.profiler's view of both taking turns
+(:func:`print_profile`): each kernel's device time, and what of a step lies outside its kernels.
+``--clocks``: at the two 64K 25% cases, our ``cuda`` step and FA4's, each run 20 times in a row
+(as the benchmark's rounds do) and then taking turns call by call, with the SM clock and the
+board's power that ``nvidia-smi`` samples meanwhile: how far each step's time depends on the
+power it draws."""
+import collections
+import statistics
+import subprocess
 import sys
+import time
 
 import torch
 
-from benchmarks.attention import SHAPES, flex_block_mask, interleaved_medians, routed_case, run_case
+from benchmarks.attention import SHAPES, cuda_times, flex_block_mask, interleaved_medians, routed_case, run_case
 from megatron_sparsebalance.ops import cuda_attention as ca
 
 CASES = [(shape, S, density) for shape in ("qwen2.5-0.5b", "qwen2.5-3b") for S in (32768, 65536)
@@ -44,6 +57,125 @@ def fa4_step(q, k, v, go, route):
     return step
 
 
+def print_profile(steps: dict, calls: int = 3, owner=None) -> None:
+    """torch.profiler over ``calls`` rounds of every step of ``steps`` in turn, each followed by a
+    synchronisation (each run once before, not profiled), so that all see the same clocks: per
+    step, each kernel's device ms per call, its kernels' busy time against the span from its first
+    kernel to its last, the largest idle gaps inside it. ``owner`` names the step a kernel belongs
+    to (by its name) where there is more than one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for step in steps.values():
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            for step in steps.values():
+                step()
+                torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    by_step = collections.defaultdict(list)
+    for e in kernels:
+        by_step[owner(e.name) if owner else next(iter(steps))].append(e)
+    # A step launches the same kernels in every call: its kernels in time order, cut into equal calls.
+    runs = {}
+    for name, its in by_step.items():
+        assert len(its) % calls == 0, f"{name}: {len(its)} kernels over {calls} calls"
+        per_call = len(its) // calls
+        runs[name] = [its[i:i + per_call] for i in range(0, len(its), per_call)]
+    for name, calls_of in runs.items():
+        per_kernel = collections.Counter()
+        for e in (e for call in calls_of for e in call):
+            per_kernel[e.name[:70]] += (e.time_range.end - e.time_range.start) / len(calls_of) / 1e3
+        print("  %s:" % name)
+        for kernel, ms in per_kernel.most_common():
+            print("   %8.4f ms  %s" % (ms, kernel))
+        busy = sum(e.time_range.end - e.time_range.start for call in calls_of for e in call)
+        span = sum(call[-1].time_range.end - call[0].time_range.start for call in calls_of)
+        print("   per call (%d): GPU span %.3f ms, kernels %.3f ms (%d launches); largest gaps (us):"
+              % (len(calls_of), span / len(calls_of) / 1e3, busy / len(calls_of) / 1e3,
+                 sum(map(len, calls_of)) // len(calls_of)))
+        gaps = sorted(((b.time_range.start - a.time_range.end, a.name[:50], b.name[:50])
+                       for call in calls_of for a, b in zip(call, call[1:])), reverse=True)
+        for gap in gaps[:4]:
+            print("   %.1f  %s -> %s" % gap)
+
+
+def profile_cases():
+    """The ``--profile`` run (see the module's docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):  # its start-up, off the first case
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    for shape, S, density, q, k, v, route, _ in routed_cases():
+        go = torch.randn_like(q)
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        steps = {"cuda": run_case("cuda", *inputs, go, route, S, q.shape[1], None, None)[1]}
+        fa4 = fa4_step(q, k, v, go, route)
+        if fa4 is not None:
+            steps["fa4"] = fa4
+        med = interleaved_medians(steps, rounds_from_argv(), 10, 2)
+        print("== %s %d %.2f: event-timed fwd+bwd ms %s" % (shape, S, density, med), flush=True)
+        # Our kernels are named in our namespace; every other kernel of the two steps is FA4's.
+        print_profile(steps, owner=lambda kernel: "cuda" if "sparsebalance" in kernel else "fa4")
+
+
+class ClockSampler:
+    """GPU 0's SM clock (MHz) and board power (W) from ``nvidia-smi``, printed every 20 ms and
+    stamped with the host's time as each line arrives (nvidia-smi's own stamps have no ms)."""
+
+    def __init__(self):
+        import threading
+
+        self.samples = []  # (host seconds, MHz, W)
+        self.proc = subprocess.Popen(["nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw",
+                                      "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.strip():
+                self.samples.append((time.time(), *map(float, line.split(","))))
+
+    def between(self, t0: float, t1: float) -> tuple[float, float]:
+        """Median MHz and W of the samples stamped in [t0, t1]."""
+        inside = [(mhz, w) for t, mhz, w in self.samples if t0 <= t <= t1] or [(float("nan"), float("nan"))]
+        return statistics.median(m for m, _ in inside), statistics.median(w for _, w in inside)
+
+    def stop(self):
+        self.proc.terminate()
+
+
+def clocks(calls: int = 20):
+    """The ``--clocks`` run (see the module's docstring)."""
+    sampler = ClockSampler()
+    for shape, S, density, q, k, v, route, _ in routed_cases():
+        if (S, density) != (65536, 0.25):
+            continue
+        go = torch.randn_like(q)
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        steps = {"cuda": run_case("cuda", *inputs, go, route, S, q.shape[1], None, None)[1],
+                 "fa4": fa4_step(q, k, v, go, route)}
+        for step in steps.values():  # FA4 compiles its kernels in its first call
+            step()
+        for block in [("cuda",), ("fa4",), ("fa4",), ("cuda",), ("cuda", "fa4"), ("fa4", "cuda")]:
+            time.sleep(2)  # every block starts from the same rest
+            times = {impl: [] for impl in block}
+            t0 = time.time()
+            for _ in range(calls):
+                for impl in block:
+                    times[impl] += cuda_times(steps[impl], 1, 0)
+            mhz, watts = sampler.between(t0, time.time())
+            ms = ", ".join("%s median %.2f ms, first three %s" % (impl, statistics.median(t),
+                                                                   " ".join("%.2f" % x for x in t[:3]))
+                           for impl, t in times.items())
+            print("%s %d %.2f %-9s %s; SM %.0f MHz, %.0f W" % (shape, S, density, "+".join(block), ms, mhz, watts),
+                  flush=True)
+    sampler.stop()
+
+
 def once(shape: str, S: int, density: float):
     """The ``--once`` run: one case by :func:`benchmarks.attention.routed_case` from a generator seeded
     0, a forward, three backwards."""
@@ -59,6 +191,13 @@ def once(shape: str, S: int, density: float):
 def main():
     if sys.argv[1:2] == ["--once"]:
         once(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        return
+    if sys.argv[1:2] == ["--clocks"]:
+        clocks()
+        return
+    if sys.argv[1:2] == ["--profile"]:
+        del sys.argv[1]
+        profile_cases()
         return
     rounds = rounds_from_argv()
     for shape, S, dens, q, k, v, route, args in routed_cases():
