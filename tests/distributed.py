@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from megatron_sparsebalance.training.dist import free_port
+from megatron_sparsebalance.training.ports import free_port
 
 
 def _worker(rank, world, port, tp, pp, fn, args, errors):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from megatron_sparsebalance.balance.sab import (
 )
 from megatron_sparsebalance.data.distributions import sample_lengths
 from megatron_sparsebalance.data.sampler import GlobalBatchSampler
+from megatron_sparsebalance.training.ports import free_port
 
 # This module stays free of megatron-core imports: the 2-process test spawns interpreters that
 # import it, and on a 2-core machine every second of import counts twice.
@@ -34,12 +34,6 @@ QWEN25_05B = dict(hidden_size=896, ffn_hidden_size=4864, num_attention_heads=14,
 
 def latency_model():
     return AnalyticLatencyModel(QWEN25_05B, layers_per_stage=6, block_size=128, hardware="h200")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dst_budgets(plan, model):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 
 import numpy as np
 import torch
@@ -12,12 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_sparsebalance.compat import initialize_model_parallel
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_sparsebalance.training.ports import free_port
 
 
 def init_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, backend: str = "auto",
