@@ -13,13 +13,15 @@ our ``cuda`` forward+backward step as the benchmark times it (``run_case``) and 
 imports, their event-timed medians, then torch.profiler's view of both taking turns
 (:func:`print_profile`): each kernel's device time, and what of a step lies outside its kernels.
 ``--clocks``: at the two 64K 25% cases, our ``cuda`` step and FA4's, each run 20 times in a row
-(as the benchmark's rounds do) and then taking turns call by call, with the SM clock and the
-board's power that ``nvidia-smi`` samples meanwhile: how far each step's time depends on the
-power it draws."""
+(as the benchmark's rounds do) and then taking turns call by call, with the SM clock, the
+board's power and the clock event reasons that ``nvidia-smi`` samples meanwhile: how far each
+step's time depends on the clock it holds, and why the clock moves."""
 import collections
+import datetime
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -123,26 +125,34 @@ def profile_cases():
 
 
 class ClockSampler:
-    """GPU 0's SM clock (MHz) and board power (W) from ``nvidia-smi``, printed every 20 ms and
-    stamped with the host's time as each line arrives (nvidia-smi's own stamps have no ms)."""
+    """GPU 0's SM clock (MHz), board power (W, instantaneous) and active clock event reasons (the
+    NVML bitmask: 0x4 the software power cap, 0x20/0x40 thermal slowdowns, 0x8/0x80 hardware
+    slowdowns) from ``nvidia-smi`` every 20 ms. Each sample is placed in time by nvidia-smi's own
+    stamp (ms): through a pipe its lines arrive in bursts, so their arrival time would misplace
+    them."""
 
     def __init__(self):
-        import threading
-
-        self.samples = []  # (host seconds, MHz, W)
-        self.proc = subprocess.Popen(["nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw",
-                                      "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
+        self.samples = []  # (host seconds, MHz, W, reasons)
+        self.proc = subprocess.Popen(["nvidia-smi", "-i", "0", "--format=csv,noheader,nounits", "-lms", "20",
+                                      "--query-gpu=timestamp,clocks.sm,power.draw.instant,clocks_event_reasons.active"],
+                                     stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
         for line in self.proc.stdout:
-            if line.strip():
-                self.samples.append((time.time(), *map(float, line.split(","))))
+            stamp, mhz, watts, reasons = (x.strip() for x in line.split(","))
+            t = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            self.samples.append((t, float(mhz), float(watts), int(reasons, 16)))
 
-    def between(self, t0: float, t1: float) -> tuple[float, float]:
-        """Median MHz and W of the samples stamped in [t0, t1]."""
-        inside = [(mhz, w) for t, mhz, w in self.samples if t0 <= t <= t1] or [(float("nan"), float("nan"))]
-        return statistics.median(m for m, _ in inside), statistics.median(w for _, w in inside)
+    def between(self, t0: float, t1: float) -> str:
+        """The samples stamped in [t0, t1]: median MHz and W, and each reason mask's share."""
+        inside = [s[1:] for s in self.samples if t0 <= s[0] <= t1]
+        if not inside:
+            return "no samples"
+        masks = collections.Counter(r for _, _, r in inside)
+        return "SM %.0f MHz, %.0f W, reasons %s" % (
+            statistics.median(m for m, _, _ in inside), statistics.median(w for _, w, _ in inside),
+            " ".join("%#x %d%%" % (mask, 100 * n // len(inside)) for mask, n in masks.most_common()))
 
     def stop(self):
         self.proc.terminate()
@@ -156,8 +166,11 @@ def clocks(calls: int = 20):
             continue
         go = torch.randn_like(q)
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-        steps = {"cuda": run_case("cuda", *inputs, go, route, S, q.shape[1], None, None)[1],
-                 "fa4": fa4_step(q, k, v, go, route)}
+        fa4 = fa4_step(q, k, v, go, route)
+        if fa4 is None:
+            raise SystemExit("--clocks compares our step with FA4's, and flash-attn-4 does not import here "
+                             "(docs/FA4.md, 'GPU commands')")
+        steps = {"cuda": run_case("cuda", *inputs, go, route, S, q.shape[1], None, None)[1], "fa4": fa4}
         for step in steps.values():  # FA4 compiles its kernels in its first call
             step()
         for block in [("cuda",), ("fa4",), ("fa4",), ("cuda",), ("cuda", "fa4"), ("fa4", "cuda")]:
@@ -167,12 +180,11 @@ def clocks(calls: int = 20):
             for _ in range(calls):
                 for impl in block:
                     times[impl] += cuda_times(steps[impl], 1, 0)
-            mhz, watts = sampler.between(t0, time.time())
+            clocks_seen = sampler.between(t0, time.time())
             ms = ", ".join("%s median %.2f ms, first three %s" % (impl, statistics.median(t),
                                                                    " ".join("%.2f" % x for x in t[:3]))
                            for impl, t in times.items())
-            print("%s %d %.2f %-9s %s; SM %.0f MHz, %.0f W" % (shape, S, density, "+".join(block), ms, mhz, watts),
-                  flush=True)
+            print("%s %d %.2f %-9s %s; %s" % (shape, S, density, "+".join(block), ms, clocks_seen), flush=True)
     sampler.stop()
 
 
