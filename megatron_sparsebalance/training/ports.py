@@ -5,6 +5,10 @@ from __future__ import annotations
 import random
 import socket
 
+# Ports are drawn from this many just below the ephemeral range (20480-32767 with Linux's default
+# range): the kernel never hands them out on its own, and one a service holds fails the bind check.
+DRAW_WINDOW = 12288
+
 
 def _ephemeral_ports_start() -> int:
     """The first port of the range the kernel hands out to unbound sockets (Linux; 32768 elsewhere)."""
@@ -24,8 +28,9 @@ def free_port() -> int:
     launches ran). Drawn by the system's randomness, so as not to touch the seeded ``random``.
     """
     end = _ephemeral_ports_start()
+    low = max(1024, end - DRAW_WINDOW)
     pick = random.SystemRandom()
-    draws = [pick.randrange(max(1024, end - 12288), end) for _ in range(64)] if end > 2048 else []
+    draws = [pick.randrange(low, end) for _ in range(64)] if end - low >= 1024 else []
     for port in draws:
         with socket.socket() as s:
             try:
