@@ -41,9 +41,9 @@ def routed_cases():
         yield (shape, S, density, *routed_case(S, *SHAPES[shape], density, gen))
 
 
-def rounds_from_argv() -> int:
-    """The probes' one argument: interleaved rounds (3 when left out)."""
-    return int(sys.argv[1]) if len(sys.argv) > 1 else 3
+def rounds_from_argv(position: int = 1) -> int:
+    """The probes' one argument, at ``sys.argv[position]``: interleaved rounds (3 when left out)."""
+    return int(sys.argv[position]) if len(sys.argv) > position else 3
 
 
 def fa4_step(q, k, v, go, route):
@@ -104,7 +104,7 @@ def print_profile(steps: dict, calls: int = 3, owner=None) -> None:
             print("   %.1f  %s -> %s" % gap)
 
 
-def profile_cases():
+def profile_cases(rounds: int):
     """The ``--profile`` run (see the module's docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -118,7 +118,7 @@ def profile_cases():
         fa4 = fa4_step(q, k, v, go, route)
         if fa4 is not None:
             steps["fa4"] = fa4
-        med = interleaved_medians(steps, rounds_from_argv(), 10, 2)
+        med = interleaved_medians(steps, rounds, 10, 2)
         print("== %s %d %.2f: event-timed fwd+bwd ms %s" % (shape, S, density, med), flush=True)
         # Our kernels are named in our namespace; every other kernel of the two steps is FA4's.
         print_profile(steps, owner=lambda kernel: "cuda" if "sparsebalance" in kernel else "fa4")
@@ -161,31 +161,33 @@ class ClockSampler:
 def clocks(calls: int = 20):
     """The ``--clocks`` run (see the module's docstring)."""
     sampler = ClockSampler()
-    for shape, S, density, q, k, v, route, _ in routed_cases():
-        if (S, density) != (65536, 0.25):
-            continue
-        go = torch.randn_like(q)
-        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-        fa4 = fa4_step(q, k, v, go, route)
-        if fa4 is None:
-            raise SystemExit("--clocks compares our step with FA4's, and flash-attn-4 does not import here "
-                             "(docs/FA4.md, 'GPU commands')")
-        steps = {"cuda": run_case("cuda", *inputs, go, route, S, q.shape[1], None, None)[1], "fa4": fa4}
-        for step in steps.values():  # FA4 compiles its kernels in its first call
-            step()
-        for block in [("cuda",), ("fa4",), ("fa4",), ("cuda",), ("cuda", "fa4"), ("fa4", "cuda")]:
-            time.sleep(2)  # every block starts from the same rest
-            times = {impl: [] for impl in block}
-            t0 = time.time()
-            for _ in range(calls):
-                for impl in block:
-                    times[impl] += cuda_times(steps[impl], 1, 0)
-            clocks_seen = sampler.between(t0, time.time())
-            ms = ", ".join("%s median %.2f ms, first three %s" % (impl, statistics.median(t),
-                                                                   " ".join("%.2f" % x for x in t[:3]))
-                           for impl, t in times.items())
-            print("%s %d %.2f %-9s %s; %s" % (shape, S, density, "+".join(block), ms, clocks_seen), flush=True)
-    sampler.stop()
+    try:
+        for shape, S, density, q, k, v, route, _ in routed_cases():
+            if (S, density) != (65536, 0.25):
+                continue
+            go = torch.randn_like(q)
+            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+            fa4 = fa4_step(q, k, v, go, route)
+            if fa4 is None:
+                raise SystemExit("--clocks compares our step with FA4's, and flash-attn-4 does not import here "
+                                 "(docs/FA4.md, 'GPU commands')")
+            steps = {"cuda": run_case("cuda", *inputs, go, route, S, q.shape[1], None, None)[1], "fa4": fa4}
+            for step in steps.values():  # FA4 compiles its kernels in its first call
+                step()
+            for block in [("cuda",), ("fa4",), ("fa4",), ("cuda",), ("cuda", "fa4"), ("fa4", "cuda")]:
+                time.sleep(2)  # every block starts from the same rest
+                times = {impl: [] for impl in block}
+                t0 = time.time()
+                for _ in range(calls):
+                    for impl in block:
+                        times[impl] += cuda_times(steps[impl], 1, 0)
+                clocks_seen = sampler.between(t0, time.time())
+                ms = ", ".join("%s median %.2f ms, first three %s" % (impl, statistics.median(t),
+                                                                       " ".join("%.2f" % x for x in t[:3]))
+                               for impl, t in times.items())
+                print("%s %d %.2f %-9s %s; %s" % (shape, S, density, "+".join(block), ms, clocks_seen), flush=True)
+    finally:  # nvidia-smi would outlive a case that fails
+        sampler.stop()
 
 
 def once(shape: str, S: int, density: float):
@@ -208,8 +210,7 @@ def main():
         clocks()
         return
     if sys.argv[1:2] == ["--profile"]:
-        del sys.argv[1]
-        profile_cases()
+        profile_cases(rounds_from_argv(2))
         return
     rounds = rounds_from_argv()
     for shape, S, dens, q, k, v, route, args in routed_cases():
