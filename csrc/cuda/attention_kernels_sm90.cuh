@@ -638,6 +638,38 @@ struct ChunkCopier {
 };
 
 
+// The first tokens of a walk's off-diagonal blocks, for the producer, read by a warp's lanes
+// together a batch of 32 blocks at a time (lane i holds block base + i), the next batch while
+// this one is used. A chunk's first token is two dependent reads from global memory (the walk's
+// index, then the block's start), and the producer paid both, one chunk after the other, for
+// each of the first STAGES copies before any consumer could start, where a walk at 10% density
+// is 13 to 26 chunks long (3B, S = 32K/64K). Every lane of a warp calls chunk() with the same
+// `it`, in increasing order.
+template <int CH>
+struct BlockStarts {
+  int base = 0, cur, nxt;
+
+  __device__ BlockStarts(const KvWalk<CH>& w, const Params& p) : cur(read(w, p, 0)), nxt(read(w, p, 32)) {}
+  __device__ Chunk chunk(const KvWalk<CH>& w, const Params& p, int it) {
+    const int b = it >> w.sub_shift, kt0 = (it & ((1 << w.sub_shift) - 1)) * CH;
+    if (b >= base + 32) {
+      base += 32;
+      cur = nxt;
+      nxt = read(w, p, base + 32);
+    }
+    return {__shfl_sync(0xffffffffu, cur, b - base) + kt0, CH, kt0};
+  }
+
+ private:
+  // The index read waits for no count (its row holds KMAX entries); the start only for blocks
+  // the walk has.
+  __device__ static int read(const KvWalk<CH>& w, const Params& p, int b0) {
+    const int b = b0 + threadIdx.x % 32, blk = b < p.KMAX ? w.idx[b] : 0;
+    return b < w.n_off >> w.sub_shift ? p.bstart[blk] : 0;
+  }
+};
+
+
 // The parts of a forward or dQ CTA that do not depend on what it computes: its query rows, the
 // K/V chunks it walks, the ring of buffers they pass through and its barriers.
 template <typename T, int D, int QUERY_TILES, int CH, int CONSUMERS>
@@ -712,6 +744,7 @@ struct QueryCta {
   // cp.async's zero fill gives them.
   __device__ void produce(const KvWalk<CH>& w, const T* const (&sources)[QUERY_TILES], const ChunkMaps& maps,
                           const Params& p) {
+    BlockStarts<CH> starts(w, p);  // its reads first: the first chunk's copy waits for them, not for Q's
 #pragma unroll
     for (int t = 0; t < QUERY_TILES; ++t)
       load_q_rows<T, D, BM, WG_THREADS, Swizzled128<BM>>(qtiles + t * BM * D, sources[t], q0, row0, nrows, p, g);
@@ -719,7 +752,7 @@ struct QueryCta {
     const ChunkCopier<T, D, WG_THREADS, CH> copier(static_cast<const T*>(p.k), static_cast<const T*>(p.v), g, p.G);
     for (int it = 0; it < w.n_total; ++it) {
       const int buf = it % STAGES;
-      const Chunk c = w.chunk(p, it);  // the index read overlaps the wait
+      const Chunk c = it < w.n_off ? starts.chunk(w, p, it) : w.chunk(p, it);
       if (it >= STAGES) mbar_wait(empty + buf, (it / STAGES - 1) & 1);
       T* const k_dst = Ks + buf * CH * D;
       T* const v_dst = Vs + buf * CH * D;
@@ -788,6 +821,62 @@ __device__ __forceinline__ void accumulate_chunk(float (&acc)[1][D / 8][4], cons
 }
 
 
+// A barrier of one consumer warpgroup of the forward or dQ (named barriers 2, 3, 4).
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
+}
+
+// Stores a forward or dQ consumer's 64 rows of its accumulator (O or dQ), each row times its
+// `scale`, as T into `out` ([T, HQ, D]): first into the warpgroup's own rows of the query tile in
+// shared memory, which only its own products read and which all are done with, then as 16-byte
+// vectors, a warp's store covering 512 contiguous bytes where its rows are heads of one token.
+// Stored from the accumulator's fragments as they lie, a warp's store touched 8 rows with 16
+// bytes each, and the forward's epilogue took 3,500 cycles of a 3B CTA's 56,000 at 10% density
+// (one H200, 28 Nov; benchmarks/probes/cta_stamps.py).
+template <typename T, int D, int BM>
+__device__ __forceinline__ void store_rows_through_tile(const float (&acc)[1][D / 8][4], const float (&scale)[2],
+                                                        T* tile, int wg, int warp, int lane, int row0, int nrows,
+                                                        int q0, int g, T* out, const Params& p) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = wg * WG_ROWS + warp * 16 + lane / 4 + 8 * h;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      *reinterpret_cast<uint32_t*>(tile + sw128_offset<BM>(r, 8 * j + 2 * (lane % 4))) =
+          pack2<T>(acc[0][j][2 * h] * scale[h], acc[0][j][2 * h + 1] * scale[h]);
+  }
+  warpgroup_barrier(wg);
+  constexpr int VECS = D / 8;  // 16-byte vectors per row
+#pragma unroll
+  for (int i = 0; i < WG_ROWS * VECS / WG_THREADS; ++i) {
+    const int v = i * WG_THREADS + threadIdx.x % WG_THREADS, r = wg * WG_ROWS + v / VECS, c = (v % VECS) * 8;
+    const int gr = row0 + r;
+    if (gr >= nrows) continue;
+    const int64_t off = query_row(q0, gr, div_r(gr, p), g, p);
+    *reinterpret_cast<uint4*>(out + off * D + c) = *reinterpret_cast<const uint4*>(tile + sw128_offset<BM>(r, c));
+  }
+}
+
+// Runs a forward or dQ consumer's step(it, diag, first) over the walk: the off-diagonal chunks,
+// then the diagonal block's, with std::true_type / std::false_type naming which (diag) and
+// whether the chunk is the walk's first (first), peeled off the loops. A step multiplies the
+// previous chunk's P (or dS) by its V (or K) beside its own score products; the first has none.
+// Until 28 Nov it multiplied zeros instead, which kept one step for all, at the cost of half a
+// step's products per CTA in the forward and a third in dQ, where a walk at 10% density is 13
+// to 26 chunks long (3B, S = 32K/64K). Peeled, the loops still hold no product in flight across
+// a back edge and match every wait to its products (C7515, C7514 stay silent).
+template <int CH, typename Step>
+__device__ __forceinline__ void for_each_step(const KvWalk<CH>& walk, Step& step) {
+  // Walks hold at least the diagonal block's first chunk.
+  if (walk.n_off > 0)
+    step(0, std::false_type{}, std::true_type{});
+  else
+    step(0, std::true_type{}, std::true_type{});
+  int it = 1;
+  for (; it < walk.n_off; ++it) step(it, std::false_type{}, std::false_type{});
+  for (; it < walk.n_total; ++it) step(it, std::true_type{}, std::false_type{});
+}
+
 template <typename T, int D, int CH, int CONSUMERS>
 __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1)
     fwd_kernel(Params p, const __grid_constant__ ChunkMaps maps) {
@@ -813,18 +902,17 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
   float o[1][D / 8][4];
   zero(o);
 
-  // P of the previous chunk, multiplied by its V during this step. The first step multiplies
-  // zeros by its own chunk's V (finite: rows past the block are zero-filled), which adds nothing
-  // and keeps every step's products and waits the same; ptxas serialises all products of a
-  // loop whose waits it cannot match to them on every path (C7514).
-  uint32_t pa[1][CH / 16][4] = {};
+  // P of the previous chunk, multiplied by its V during this step.
+  uint32_t pa[1][CH / 16][4];
   cta.wait_queries();
   constexpr bool Q_IN_REGISTERS = CONSUMERS == 2;  // room for it beside O and the scores (above)
   uint32_t qa[Q_IN_REGISTERS ? D / 16 : 1][4];
   if constexpr (Q_IN_REGISTERS) load_a_frags<T, D, BM>(qa, cta.qtiles, wg * WG_ROWS + warp * 16, lane);
   // One step per chunk; `diag` (std::true_type for the diagonal block's chunks) compiles the
-  // causal mask into the steps that need it only.
-  auto step = [&](int it, auto diag) {
+  // causal mask into the steps that need it only, and `first` the walk's first chunk, which has
+  // no P before it (for_each_step).
+  auto step = [&](int it, auto diag, auto first) {
+    constexpr bool FIRST = decltype(first)::value;
     cta.wait_chunk<decltype(diag)::value>(it);
     const uint64_t k_desc = kmajor_tile<CH>(cta.keys(it));
     float s[1][NJ][4];
@@ -833,8 +921,8 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
       product_over_head_dim_rs<T, D, CH>(s[0], qa, k_desc);
     else
       product_over_head_dim<T, D, BM, CH>(s[0], q_desc, wg * WG_ROWS, k_desc);
-    accumulate_chunk<T, D, CH>(o, pa, cta.values(max(it - 1, 0)));
-    wgmma_wait<1>();  // S done; the previous chunk's P V runs on
+    if constexpr (!FIRST) accumulate_chunk<T, D, CH>(o, pa, cta.values(it - 1));
+    wgmma_wait<FIRST ? 0 : 1>();  // S done; the previous chunk's P V runs on
     // Scores stay unscaled until the exponential folds the scale in: exp2(s scale - m), where m
     // is the running maximum in scaled units.
     if constexpr (decltype(diag)::value) Cta::mask_diagonal(s[0], walk.chunk(p, it), lane, tok);
@@ -871,34 +959,32 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 1, CH, CONSUMERS>::THREADS, 1
     reduce_rows<NJ>(s[0], row_sum, [](float a, float b) { return a + b; });
 #pragma unroll
     for (int h = 0; h < 2; ++h) l[h] = fmaf(l[h], alpha[h], row_sum[h]);
-    wgmma_wait<0>();  // O holds every chunk before this one: rescale it to this chunk's maximum
-    if (it > 0) cta.release(it - 1);
-    if (rescale) {
+    if constexpr (!FIRST) {
+      wgmma_wait<0>();  // O holds every chunk before this one: rescale it to this chunk's maximum
+      cta.release(it - 1);
+      if (rescale) {
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j)
+        for (int j = 0; j < D / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[0][j][e] *= alpha[e / 2];
+          for (int e = 0; e < 4; ++e) o[0][j][e] *= alpha[e / 2];
+      }
     }
     to_a_frags<T, 1, CH>(pa, s);
   };
-  int it = 0;
-  for (; it < walk.n_off; ++it) step(it, std::false_type{});
-  for (; it < walk.n_total; ++it) step(it, std::true_type{});
-  accumulate_chunk<T, D, CH>(o, pa, cta.values(walk.n_total - 1));  // walks hold at least the diagonal chunk
+  for_each_step(walk, step);
+  accumulate_chunk<T, D, CH>(o, pa, cta.values(walk.n_total - 1));
   wgmma_wait<0>();
 
+  float inv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int gr = wrow + 8 * h;
     const float lsum = quad_sum(l[h]);
-    if (gr >= cta.nrows) continue;
-    const float inv = 1.f / lsum;
-    const int64_t off = query_row(cta.q0, gr, tok[h], cta.g, p);
-    uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + off * D + 2 * (lane % 4));
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) out[4 * j] = pack2<T>(o[0][j][2 * h] * inv, o[0][j][2 * h + 1] * inv);
-    if (lane % 4 == 0) p.lse[off] = m[h] + log2f(lsum);
+    inv[h] = 1.f / lsum;
+    if (gr < cta.nrows && lane % 4 == 0) p.lse[query_row(cta.q0, gr, tok[h], cta.g, p)] = m[h] + log2f(lsum);
   }
+  store_rows_through_tile<T, D, BM>(o, inv, cta.qtiles, wg, warp, lane, cta.row0, cta.nrows, cta.q0, cta.g,
+                                    static_cast<T*>(p.out), p);
 #else
   __trap();
 #endif
@@ -935,46 +1021,41 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH, CONSUMERS>::THREADS, 1
   float dq[1][D / 8][4];
   zero(dq);
 
-  uint32_t da[1][CH / 16][4] = {};  // dS of the previous chunk (zeros at first), as the forward's P
+  uint32_t da[1][CH / 16][4];  // dS of the previous chunk, as the forward's P
   cta.wait_queries();
-  auto step = [&](int it, auto diag) {  // as the forward's
+  auto step = [&](int it, auto diag, auto first) {  // as the forward's
+    constexpr bool FIRST = decltype(first)::value;
     cta.wait_chunk<decltype(diag)::value>(it);
     const uint64_t k_desc = kmajor_tile<CH>(cta.keys(it)), v_desc = kmajor_tile<CH>(cta.values(it));
     float s[1][NJ][4], dp[1][NJ][4];
     wgmma_fence();
     product_over_head_dim<T, D, BM, CH>(s[0], q_desc, wg * WG_ROWS, k_desc);
     product_over_head_dim<T, D, BM, CH>(dp[0], do_desc, wg * WG_ROWS, v_desc);
-    accumulate_chunk<T, D, CH>(dq, da, cta.keys(max(it - 1, 0)));
-    wgmma_wait<2>();  // S done; dP and the previous chunk's dS K run on
+    if constexpr (!FIRST) accumulate_chunk<T, D, CH>(dq, da, cta.keys(it - 1));
+    wgmma_wait<FIRST ? 1 : 2>();  // S done; dP and the previous chunk's dS K run on
     if constexpr (decltype(diag)::value) Cta::mask_diagonal(s[0], walk.chunk(p, it), lane, tok);
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[0][j][e] = exp2f(fmaf(s[0][j][e], p.scale_log2, -lse[e / 2]));
-    wgmma_wait<1>();  // dP done
+    wgmma_wait<FIRST ? 0 : 1>();  // dP done
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[0][j][e] *= dp[0][j][e] - dl[e / 2];  // dS = P (dP - delta)
-    wgmma_wait<0>();  // the previous chunk's dS K has read da and its K
-    if (it > 0) cta.release(it - 1);
+    if constexpr (!FIRST) {
+      wgmma_wait<0>();  // the previous chunk's dS K has read da and its K
+      cta.release(it - 1);
+    }
     to_a_frags<T, 1, CH>(da, s);
   };
-  int it = 0;
-  for (; it < walk.n_off; ++it) step(it, std::false_type{});
-  for (; it < walk.n_total; ++it) step(it, std::true_type{});
+  for_each_step(walk, step);
   accumulate_chunk<T, D, CH>(dq, da, cta.keys(walk.n_total - 1));
   wgmma_wait<0>();
 
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int gr = wrow + 8 * h;
-    if (gr >= cta.nrows) continue;
-    const int64_t off = query_row(cta.q0, gr, tok[h], cta.g, p);
-    uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + off * D + 2 * (lane % 4));
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) out[4 * j] = pack2<T>(dq[0][j][2 * h] * p.scale, dq[0][j][2 * h + 1] * p.scale);
-  }
+  const float scale[2] = {p.scale, p.scale};
+  store_rows_through_tile<T, D, BM>(dq, scale, cta.qtiles, wg, warp, lane, cta.row0, cta.nrows, cta.q0, cta.g,
+                                    static_cast<T*>(p.dq), p);
 #else
   __trap();
 #endif
