@@ -22,10 +22,11 @@ import sys
 
 STAMPS = ("pq", "pc0", "pc1", "pc2", "q", "first", "loop", "fin", "end")
 DEFAULT_CASES = [("qwen2.5-3b", 32768, 0.1), ("qwen2.5-3b", 32768, 0.25)]
+CALLS = 3  # forwards of a case, each stamped
 
 
-def run(shape: str, S: int, density: float, calls: int = 3) -> None:
-    """The child: ``calls`` forwards of the case, each between synchronisations."""
+def run(shape: str, S: int, density: float) -> None:
+    """The child: CALLS forwards of the case, each between synchronisations."""
     import torch
 
     from benchmarks.attention import SHAPES, routed_case
@@ -33,7 +34,7 @@ def run(shape: str, S: int, density: float, calls: int = 3) -> None:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, _, args = routed_case(S, *SHAPES[shape], density, gen)
-    for _ in range(calls):
+    for _ in range(CALLS):
         torch.cuda.synchronize()
         ca._forward(q, k, v, *args)
         torch.cuda.synchronize()
@@ -75,7 +76,7 @@ def main() -> None:
         child = subprocess.run([sys.executable, "-m", "benchmarks.probes.cta_stamps", "--run", shape, str(S),
                                 str(density)], capture_output=True, text=True, check=True)
         rows = parse(child.stdout.splitlines())
-        print(f"== {shape} S={S} density={density}: {len(rows)} CTAs stamped over 3 calls")
+        print(f"== {shape} S={S} density={density}: {len(rows)} CTAs stamped over {CALLS} calls")
         if not rows:
             sys.exit("no PROBE lines: build with benchmarks/probes/cta_stamps.patch applied")
         summarise(rows)
