@@ -59,6 +59,17 @@ def fa4_step(q, k, v, go, route):
     return step
 
 
+def benchmark_steps(q, k, v, go, route) -> dict:
+    """Our ``cuda`` forward+backward step and FA4's (where flash-attn-4 imports), each as the
+    benchmark times it (``run_case``)."""
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    steps = {"cuda": run_case("cuda", *inputs, go, route, q.shape[0], q.shape[1], None, None)[1]}
+    fa4 = fa4_step(q, k, v, go, route)
+    if fa4 is not None:
+        steps["fa4"] = fa4
+    return steps
+
+
 def print_profile(steps: dict, calls: int = 3, owner=None) -> None:
     """torch.profiler over ``calls`` rounds of every step of ``steps`` in turn, each followed by a
     synchronisation (each run once before, not profiled), so that all see the same clocks: per
@@ -112,12 +123,7 @@ def profile_cases(rounds: int):
         torch.ones(1, device="cuda").add_(1)
         torch.cuda.synchronize()
     for shape, S, density, q, k, v, route, _ in routed_cases():
-        go = torch.randn_like(q)
-        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-        steps = {"cuda": run_case("cuda", *inputs, go, route, S, q.shape[1], None, None)[1]}
-        fa4 = fa4_step(q, k, v, go, route)
-        if fa4 is not None:
-            steps["fa4"] = fa4
+        steps = benchmark_steps(q, k, v, torch.randn_like(q), route)
         med = interleaved_medians(steps, rounds, 10, 2)
         print("== %s %d %.2f: event-timed fwd+bwd ms %s" % (shape, S, density, med), flush=True)
         # Our kernels are named in our namespace; every other kernel of the two steps is FA4's.
@@ -165,13 +171,10 @@ def clocks(calls: int = 20):
         for shape, S, density, q, k, v, route, _ in routed_cases():
             if (S, density) != (65536, 0.25):
                 continue
-            go = torch.randn_like(q)
-            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-            fa4 = fa4_step(q, k, v, go, route)
-            if fa4 is None:
+            steps = benchmark_steps(q, k, v, torch.randn_like(q), route)
+            if "fa4" not in steps:
                 raise SystemExit("--clocks compares our step with FA4's, and flash-attn-4 does not import here "
                                  "(docs/FA4.md, 'GPU commands')")
-            steps = {"cuda": run_case("cuda", *inputs, go, route, S, q.shape[1], None, None)[1], "fa4": fa4}
             for step in steps.values():  # FA4 compiles its kernels in its first call
                 step()
             for block in [("cuda",), ("fa4",), ("fa4",), ("cuda",), ("cuda", "fa4"), ("fa4", "cuda")]:
