@@ -6,6 +6,7 @@ runs of two builds on one machine (FA4's row is the clock reference between them
     python3 -m benchmarks.probes.step_probe --once SHAPE S DENSITY
     python3 -m benchmarks.probes.step_probe --profile [ROUNDS]
     python3 -m benchmarks.probes.step_probe --clocks
+    python3 -m benchmarks.probes.step_probe --energy
 
 ``--once``: one forward and three two-pass backwards of one case and nothing else, for a profiler
 (``benchmarks/probes/ncu_source.sh`` profiles a kernel's third launch). ``--profile``: per case,
@@ -15,8 +16,12 @@ imports, their event-timed medians, then torch.profiler's view of both taking tu
 ``--clocks``: at the two 64K 25% cases, our ``cuda`` step and FA4's, each run 20 times in a row
 (as the benchmark's rounds do) and then taking turns call by call, with the SM clock, the
 board's power and the clock event reasons that ``nvidia-smi`` samples meanwhile: how far each
-step's time depends on the clock it holds, and why the clock moves."""
+step's time depends on the clock it holds, and why the clock moves. ``--energy``: at the eight
+cases, each step run in a row for a few seconds, twice, after a rest: the energy a call takes
+(NVML's energy counter, and the sampled power over the same seconds) and the clock it ran at;
+under the board's power cap a step's time follows the energy it spends."""
 import collections
+import ctypes
 import datetime
 import statistics
 import subprocess
@@ -193,6 +198,61 @@ def clocks(calls: int = 20):
         sampler.stop()
 
 
+class EnergyCounter:
+    """GPU 0's energy since the driver loaded (NVML's total energy consumption, in mJ), read from
+    libnvidia-ml itself through ctypes, so that the probe needs no NVML binding installed."""
+
+    def __init__(self):
+        self.nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        self._check(self.nvml.nvmlInit_v2(), "nvmlInit_v2")
+        self.device = ctypes.c_void_p()
+        self._check(self.nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.device)),
+                    "nvmlDeviceGetHandleByIndex_v2")
+
+    @staticmethod
+    def _check(status: int, call: str):
+        if status != 0:
+            raise SystemExit("--energy: %s returned NVML error %d" % (call, status))
+
+    def joules(self) -> float:
+        millijoules = ctypes.c_ulonglong()
+        self._check(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.device, ctypes.byref(millijoules)),
+                    "nvmlDeviceGetTotalEnergyConsumption")
+        return millijoules.value / 1e3
+
+
+def energy(seconds: float = 2.5):
+    """The ``--energy`` run (see the module's docstring). Each block's calls run one after the other
+    as :func:`benchmarks.attention.cuda_times` times them (a synchronisation after each), so a
+    call's energy includes its share of the host's gaps between calls."""
+    sampler, meter = ClockSampler(), EnergyCounter()
+    try:
+        for shape, S, density, q, k, v, route, _ in routed_cases():
+            steps = benchmark_steps(q, k, v, torch.randn_like(q), route)
+            if "fa4" not in steps:
+                raise SystemExit("--energy compares our step with FA4's, and flash-attn-4 does not import here "
+                                 "(docs/FA4.md, 'GPU commands')")
+            for step in steps.values():  # FA4 compiles its kernels in its first call
+                step()
+            per_call = {impl: [] for impl in steps}
+            for impl in ("cuda", "fa4", "fa4", "cuda"):
+                time.sleep(2)  # every block starts from the same rest
+                torch.cuda.synchronize()
+                e0, t0, times = meter.joules(), time.time(), []
+                while time.time() - t0 < seconds:
+                    times += cuda_times(steps[impl], 1, 0)
+                e1, t1 = meter.joules(), time.time()
+                per_call[impl].append((e1 - e0) / len(times))
+                print("%s %d %.2f %-4s %3d calls in a row: median %.2f ms, %.3f J a call (%.0f W by the counter); %s"
+                      % (shape, S, density, impl, len(times), statistics.median(times), per_call[impl][-1],
+                         (e1 - e0) / (t1 - t0), sampler.between(t0, t1)), flush=True)
+            ours, fa4 = (statistics.mean(per_call[impl]) for impl in ("cuda", "fa4"))
+            print("%s %d %.2f energy a call: ours %.3f J, FA4 %.3f J, FA4 / ours %.3f"
+                  % (shape, S, density, ours, fa4, fa4 / ours), flush=True)
+    finally:  # nvidia-smi would outlive a case that fails
+        sampler.stop()
+
+
 def once(shape: str, S: int, density: float):
     """The ``--once`` run: one case by :func:`benchmarks.attention.routed_case` from a generator seeded
     0, a forward, three backwards."""
@@ -211,6 +271,9 @@ def main():
         return
     if sys.argv[1:2] == ["--clocks"]:
         clocks()
+        return
+    if sys.argv[1:2] == ["--energy"]:
+        energy()
         return
     if sys.argv[1:2] == ["--profile"]:
         profile_cases(rounds_from_argv(2))
