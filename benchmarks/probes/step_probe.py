@@ -75,6 +75,19 @@ def benchmark_steps(q, k, v, go, route) -> dict:
     return steps
 
 
+def warm_steps_beside_fa4(q, k, v, route, mode: str) -> dict:
+    """:func:`benchmark_steps` for a run (``mode``) that compares our step with FA4's: each step run
+    once (FA4 compiles its kernels in its first call); an exit that says so where flash-attn-4
+    does not import."""
+    steps = benchmark_steps(q, k, v, torch.randn_like(q), route)
+    if "fa4" not in steps:
+        raise SystemExit("%s compares our step with FA4's, and flash-attn-4 does not import here "
+                         "(docs/FA4.md, 'GPU commands')" % mode)
+    for step in steps.values():
+        step()
+    return steps
+
+
 def print_profile(steps: dict, calls: int = 3, owner=None) -> None:
     """torch.profiler over ``calls`` rounds of every step of ``steps`` in turn, each followed by a
     synchronisation (each run once before, not profiled), so that all see the same clocks: per
@@ -176,12 +189,7 @@ def clocks(calls: int = 20):
         for shape, S, density, q, k, v, route, _ in routed_cases():
             if (S, density) != (65536, 0.25):
                 continue
-            steps = benchmark_steps(q, k, v, torch.randn_like(q), route)
-            if "fa4" not in steps:
-                raise SystemExit("--clocks compares our step with FA4's, and flash-attn-4 does not import here "
-                                 "(docs/FA4.md, 'GPU commands')")
-            for step in steps.values():  # FA4 compiles its kernels in its first call
-                step()
+            steps = warm_steps_beside_fa4(q, k, v, route, "--clocks")
             for block in [("cuda",), ("fa4",), ("fa4",), ("cuda",), ("cuda", "fa4"), ("fa4", "cuda")]:
                 time.sleep(2)  # every block starts from the same rest
                 times = {impl: [] for impl in block}
@@ -228,12 +236,7 @@ def energy(seconds: float = 2.5):
     sampler, meter = ClockSampler(), EnergyCounter()
     try:
         for shape, S, density, q, k, v, route, _ in routed_cases():
-            steps = benchmark_steps(q, k, v, torch.randn_like(q), route)
-            if "fa4" not in steps:
-                raise SystemExit("--energy compares our step with FA4's, and flash-attn-4 does not import here "
-                                 "(docs/FA4.md, 'GPU commands')")
-            for step in steps.values():  # FA4 compiles its kernels in its first call
-                step()
+            steps = warm_steps_beside_fa4(q, k, v, route, "--energy")
             per_call = {impl: [] for impl in steps}
             for impl in ("cuda", "fa4", "fa4", "cuda"):
                 time.sleep(2)  # every block starts from the same rest
