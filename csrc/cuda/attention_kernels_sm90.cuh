@@ -643,14 +643,16 @@ struct ChunkCopier {
 // this one is used. A chunk's first token is two dependent reads from global memory (the walk's
 // index, then the block's start), and the producer paid both, one chunk after the other, for
 // each of the first STAGES copies before any consumer could start, where a walk at 10% density
-// is 13 to 26 chunks long (3B, S = 32K/64K). Every lane of a warp calls chunk() with the same
-// `it`, in increasing order.
+// is 13 to 26 chunks long (3B, S = 32K/64K). chunk() hands out every chunk of the walk, the
+// diagonal block's (whose start is the CTA's own query block's) as KvWalk does. Every lane of a
+// warp calls it with the same `it`, in increasing order.
 template <int CH>
 struct BlockStarts {
   int base = 0, cur, nxt;
 
   __device__ BlockStarts(const KvWalk<CH>& w, const Params& p) : cur(read(w, p, 0)), nxt(read(w, p, 32)) {}
   __device__ Chunk chunk(const KvWalk<CH>& w, const Params& p, int it) {
+    if (it >= w.n_off) return w.chunk(p, it);
     const int b = it >> w.sub_shift, kt0 = (it & ((1 << w.sub_shift) - 1)) * CH;
     if (b >= base + 32) {
       base += 32;
@@ -752,7 +754,7 @@ struct QueryCta {
     const ChunkCopier<T, D, WG_THREADS, CH> copier(static_cast<const T*>(p.k), static_cast<const T*>(p.v), g, p.G);
     for (int it = 0; it < w.n_total; ++it) {
       const int buf = it % STAGES;
-      const Chunk c = it < w.n_off ? starts.chunk(w, p, it) : w.chunk(p, it);
+      const Chunk c = starts.chunk(w, p, it);
       if (it >= STAGES) mbar_wait(empty + buf, (it / STAGES - 1) & 1);
       T* const k_dst = Ks + buf * CH * D;
       T* const v_dst = Vs + buf * CH * D;
