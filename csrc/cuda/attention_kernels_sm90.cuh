@@ -64,6 +64,10 @@ __device__ __forceinline__ int warp_in_warpgroup() {
 
 // A barrier of the two consumer warpgroups of dK/dV alone (named barrier 1; 0 is the CTA's).
 __device__ __forceinline__ void consumer_barrier() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+// A barrier of one consumer warpgroup of the forward or dQ (named barriers 2, 3, 4).
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
+}
 
 template <int ROWS>
 struct Swizzled128 {
@@ -822,11 +826,6 @@ __device__ __forceinline__ void accumulate_chunk(float (&acc)[1][D / 8][4], cons
   wgmma_commit();
 }
 
-
-// A barrier of one consumer warpgroup of the forward or dQ (named barriers 2, 3, 4).
-__device__ __forceinline__ void warpgroup_barrier(int wg) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
-}
 
 // Stores a forward or dQ consumer's 64 rows of its accumulator (O or dQ), each row times its
 // `scale`, as T into `out` ([T, HQ, D]): first into the warpgroup's own rows of the query tile in
