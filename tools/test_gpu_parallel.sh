@@ -6,7 +6,8 @@
 # the kernel grid took 3-4.5 min on one GPU with cold Triton caches (the device call's 10 minutes
 # ran out in it after both groups), 12-27 s a quarter with warm ones; the rest 1.4 min. On 4xH100
 # (27 Nov, cold caches, megatron-core 0.19.2) the whole script took 6.8 min: the groups 3.8 and
-# 4.8 min, then the kernel grid's thirds 57-80 s beside the rest's 75 s. Every test's time goes to
+# 4.8 min, then the kernel grid's thirds 57-80 s beside the rest's 75 s; on 4xH200 (28 Nov, cold
+# caches) 7.1 min, the kernel grid's thirds 58-81 s. Every test's time goes to
 # the logs (--durations). Needs 4 GPUs; build the extension first, in a call of its
 # own (make test-gpu builds it, or MSB_CUDA=1 python3 setup.py build_ext --inplace).
 #   bash tools/test_gpu_parallel.sh [LOG_DIR]      # exit status: 0 when every group passed
@@ -48,7 +49,9 @@ wait
 status=0
 for name in multiprocess-a multiprocess-b $KERNEL_GROUPS rest; do
   rc=$(cat "$LOGS/$name.rc")
-  echo "$name (rc $rc): $(tail -n 1 "$LOGS/$name.log")"
+  # pytest's own summary line: a process group's teardown warnings can print after it
+  summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)' "$LOGS/$name.log" | tail -n 1)
+  echo "$name (rc $rc): ${summary:-$(tail -n 1 "$LOGS/$name.log")}"
   [ "$rc" = 0 ] || { status=1; grep -E "^(FAILED|ERROR)" "$LOGS/$name.log" | head -20; }
 done
 exit $status

@@ -15,7 +15,7 @@ MEASURED = {
     },
     'NVIDIA H200': {
         'cases': 8,
-        'geomean_ms': {'fa4': 6.6107, 'cuda': 6.9548},
+        'geomean_ms': {'fa4': 6.6373, 'cuda': 7.0456},
         'order': ['fa4', 'cuda'],
         'source': 'benchmarks/results/attention_h200_fa4.json',
     },
