@@ -256,6 +256,10 @@ class ParallelConfig:
     account_for_loss_in_pipeline_split: bool = False
     """Count the output layer and loss as one layer of the last pipeline stage when splitting the
     layers (the last stage gets one transformer layer fewer)."""
+    context_parallel_size: int = 1
+    """Megatron-LM's context parallelism (a sequence's tokens over ranks): only 1, its default, which
+    launch scripts often spell out; the sparse attention has no context-parallel path, so a larger
+    size is refused by name."""
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Megatron-LM's interleaved (virtual pipeline) schedule: refused, SparseBalance's 1F1B schedule is
     not interleaved."""
@@ -588,7 +592,8 @@ class SparseBalanceConfig:
                                  "--decoder-first/last-pipeline-num-layers or --account-for-*-in-pipeline-split")
             layout_layer_split(par.pipeline_model_parallel_layout, self.model_shape().num_layers,
                                par.pipeline_model_parallel_size)
-        validate_tensor_parallel(self.model_shape(), par.tensor_model_parallel_size, self.sequence_parallel)
+        validate_tensor_parallel(self.model_shape(), par.tensor_model_parallel_size, self.sequence_parallel,
+                                 par.context_parallel_size)
         if par.pipeline_model_parallel_size < 1:
             raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {par.pipeline_model_parallel_size}")
         if par.num_layers_per_virtual_pipeline_stage is not None:
@@ -798,10 +803,25 @@ def add_arguments(parser: argparse.ArgumentParser, groups: Optional[dict] = None
     return parser
 
 
+class _StandaloneParser(argparse.ArgumentParser):
+    """The standalone entry's parser: a flag it does not know gets argparse's error plus where
+    that flag can run. A user who brings a whole Megatron-LM script here (``--fp16``,
+    ``--rampup-batch-size``, ...) needs the Megatron-LM entry, which parses with Megatron-LM's own
+    parser; argparse alone would only say "unrecognized arguments"."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments"):
+            message += ("\n  this entry takes the flags listed in docs/MEGATRON_LM_FLAGS.md; a Megatron-LM launch "
+                        "script as a whole goes to Megatron-LM's own training loop: python -m "
+                        "megatron_sparsebalance.megatron_lm with the same flags (megatron-core 0.19, "
+                        "docs/MEGATRON_LM.md)")
+        super().error(message)
+
+
 def build_parser(prog: str = "megatron_sparsebalance.pretrain") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="SparseBalance pretraining on megatron-core "
-                                     "(launch with torchrun; Megatron-LM's flag names).",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _StandaloneParser(prog=prog, description="SparseBalance pretraining on megatron-core "
+                               "(launch with torchrun; Megatron-LM's flag names).",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     return add_arguments(parser)
 
 

@@ -26,7 +26,7 @@ def flag_list(data_prefix: str, save: str, tensorboard: str) -> list:
         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3", "--lr", "3e-3", "--min-lr", "1e-4",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--weight-decay", "0.01",
         "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--tensor-model-parallel-size", "1",
-        "--pipeline-model-parallel-size", "2", "--overlap-grad-reduce", "--calculate-per-token-loss",
+        "--context-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--overlap-grad-reduce", "--calculate-per-token-loss",
         "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3", "--save-interval", "2", "--save", save,
         "--load", save, "--tokenizer-type", "NullTokenizer", "--split", "90,9,1", "--seed", "1234",
         "--manual-gc", "--distributed-timeout-minutes", "5", "--log-throughput", "--use-mcore-models",

@@ -94,6 +94,7 @@ REFUSED = [
     (["--tokenizer-type", "HuggingFaceTokenizer"], r"--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model"),
     (["--num-query-groups", "2"], r"--num-query-groups 2 needs --group-query-attention"),
     (["--tensor-model-parallel-size", "2"], r"--tensor-model-parallel-size"),
+    (["--context-parallel-size", "2"], r"--context-parallel-size must be 1 \(sparse attention has no context-parallel"),
     (["--normalization", "BatchNorm"], r"--normalization must be RMSNorm or LayerNorm"),
     (["--rotary-percent", "0"], r"--rotary-percent must be in \(0, 1\]"),
     (["--max-position-embeddings", "512"], r"--max-position-embeddings \(512\) must be >= --seq-length \(1024\)"),
@@ -111,6 +112,13 @@ def test_refused_flags_name_the_flag_and_why(extra, match, capsys, monkeypatch):
         pytest.skip("runs on a GPU")
     rc, err = pretrain_cases.refused_in_process(pretrain_cases.TINY + ["--train-iters", "1"] + extra, capsys, monkeypatch)
     assert rc == 2 and re.search(match, err), err
+
+
+def test_a_flag_this_entry_lacks_points_to_the_megatron_lm_entry(capsys, monkeypatch):
+    rc, err = pretrain_cases.refused_in_process(pretrain_cases.TINY + ["--fp16", "--rampup-batch-size", "4", "4", "8"],
+                                                capsys, monkeypatch)
+    assert rc == 2 and "unrecognized arguments: --fp16 --rampup-batch-size 4 4 8" in err, err
+    assert "python -m megatron_sparsebalance.megatron_lm with the same flags" in err, err
 
 
 def test_megatron_lm_command_line_needs_its_required_flags(capsys, monkeypatch):

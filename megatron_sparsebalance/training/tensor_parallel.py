@@ -19,7 +19,9 @@ def validate_tensor_parallel(shape, tp: int, sequence_parallel: bool, context_pa
     if tp < 1:
         raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
     if sequence_parallel and tp == 1:
-        # Megatron-LM drops the flag with a warning here; a flag that does nothing is refused instead.
+        # Reached from the tools that price a layout (simulate_pipeline, profile_latency), where
+        # the flag would price nothing. Pretraining passes the flag as it takes effect: off at
+        # TP = 1 with Megatron-LM's warning (SparseBalanceConfig.sequence_parallel).
         raise ValueError("--sequence-parallel splits activations over tensor-parallel ranks: it needs "
                          "--tensor-model-parallel-size > 1 (got 1)")
     if context_parallel != 1:
