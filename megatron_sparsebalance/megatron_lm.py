@@ -121,6 +121,11 @@ def _refuse_what_we_cannot_run(args) -> None:
         (getattr(args, "attention_dropout", 0.0) > 0,
          f"--attention-dropout {getattr(args, 'attention_dropout', 0.0)}: the sparse attention kernels have no "
          "dropout (Megatron-LM's default is 0.1): pass --attention-dropout 0"),
+        (getattr(args, "rampup_batch_size", None) is not None or getattr(args, "step_batch_size_schedule", None)
+         or getattr(args, "decrease_batch_size_if_needed", False),
+         "--rampup-batch-size / --step-batch-size-schedule / --decrease-batch-size-if-needed: SAB plans every "
+         "global batch at --global-batch-size, and Megatron-LM's loop would expect another micro-batch count "
+         "(a global batch size that changes during training is not built)"),
         (getattr(args, "variable_micro_batches", False) and not args.calculate_per_token_loss,
          "--variable-micro-batches needs --calculate-per-token-loss: a micro-batch count that changes between "
          "iterations is exact only with per-token normalization"),
@@ -338,7 +343,9 @@ def datasets_provider(train_valid_test_num_samples):
         path = os.path.join(_iteration_dir(args.load, args.iteration), STATE_FILE)
         if not os.path.exists(path):
             raise ValueError(f"--load {args.load}: iteration {args.iteration} has no {STATE_FILE} (not saved by "
-                             "megatron_sparsebalance.megatron_lm); the data order and balancer state cannot be resumed")
+                             "megatron_sparsebalance.megatron_lm); the data order and balancer state cannot be resumed. "
+                             "To start SparseBalance from its weights, add --finetune (Megatron-LM then loads the "
+                             "weights alone and counts iterations from 0)")
         _STATE.load_state_dict(torch.load(path, weights_only=False))
     return _STATE.train, _STATE.valid, None
 

@@ -41,13 +41,17 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
 
     fine = dict(virtual_pipeline_model_parallel_size=None, context_parallel_size=1, use_legacy_models=False,
                 dataloader_type=None, decoder_pipeline_split="even", attention_dropout=0.0,
-                variable_micro_batches=False, calculate_per_token_loss=False)
+                variable_micro_batches=False, calculate_per_token_loss=False, rampup_batch_size=None,
+                step_batch_size_schedule=None, decrease_batch_size_if_needed=False)
     _refuse_what_we_cannot_run(SimpleNamespace(**fine))
     for change, flag in ((dict(virtual_pipeline_model_parallel_size=2), "--num-layers-per-virtual-pipeline-stage"),
                          (dict(context_parallel_size=2), "--context-parallel-size"),
                          (dict(dataloader_type="cyclic"), "--dataloader-type cyclic"),
                          (dict(decoder_pipeline_split="auto"), "--decoder-pipeline-split auto"),
                          (dict(attention_dropout=0.1), "--attention-dropout 0.1"),
-                         (dict(variable_micro_batches=True), "--calculate-per-token-loss")):
+                         (dict(variable_micro_batches=True), "--calculate-per-token-loss"),
+                         (dict(rampup_batch_size=[16, 8, 1000]), "--rampup-batch-size"),
+                         (dict(step_batch_size_schedule="0:16 1K:32"), "--step-batch-size-schedule"),
+                         (dict(decrease_batch_size_if_needed=True), "--decrease-batch-size-if-needed")):
         with pytest.raises(ValueError, match=flag):
             _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, **change}))
