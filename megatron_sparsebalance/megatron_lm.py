@@ -132,7 +132,7 @@ def _refuse_what_we_cannot_run(args) -> None:
     )
     for bad, why in checks:
         if bad:
-            raise ValueError(f"megatron_sparsebalance.megatron_lm: {why}")
+            raise ValueError(why)  # main() prints it after its own prefix
 
 
 def _without_missing_fusions(args) -> list:

@@ -45,3 +45,18 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "interleaved" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--rampup-batch-size", "2", "2", "8"], "--rampup-batch-size"),
+    (["--decrease-batch-size-if-needed"], "--decrease-batch-size-if-needed"),
+    (["--context-parallel-size", "2"], "--context-parallel-size"),
+])
+def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
+    """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
+    refusal comes before ``validate_args`` and ``initialize_megatron``."""
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+    from megatron_sparsebalance.megatron_lm import parse_megatron_args
+
+    with pytest.raises(ValueError, match=flag):
+        parse_megatron_args(SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "2", *extra])
