@@ -28,6 +28,7 @@ from megatron_sparsebalance.attention.spec import HAVE_TE
 from megatron_sparsebalance.balance.dst import ANCHORS, DSTConfig
 from megatron_sparsebalance.balance.sab import BatchingConfig
 from megatron_sparsebalance.balance.split import SplitConfig
+from megatron_sparsebalance.convert.hf_config import padded_vocab_size
 from megatron_sparsebalance.data.datasets import MOCK_VOCAB_SIZE, DataConfig
 from megatron_sparsebalance.training.model import (
     MODEL_PRESETS,
@@ -84,6 +85,10 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     """Vocabulary size: rows of the embedding and the output layer (default: the preset's; without
     --model required unless --tokenizer-model gives it)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron-LM's padding of a tokenizer's vocabulary (--tokenizer-model without --model and
+    --vocab-size): up to a multiple of this times --tensor-model-parallel-size. A --vocab-size given
+    is the embedding's rows as they are."""
     max_position_embeddings: Optional[int] = None
     """Positions the model is built for, at least --seq-length (default: --seq-length); sizes the
     learned position embeddings of --position-embedding-type learned_absolute."""
@@ -172,6 +177,8 @@ class ModelConfig:
     def validate(self, vocab_size: Optional[int] = None) -> "ModelConfig":
         if self.model is not None and self.model not in MODEL_PRESETS:
             raise ValueError(f"--model must be one of {sorted(MODEL_PRESETS)}, got {self.model!r}")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {self.make_vocab_size_divisible_by}")
         if self.num_query_groups is not None and not self.group_query_attention:
             raise ValueError(f"--num-query-groups {self.num_query_groups} needs --group-query-attention (Megatron-LM "
                              "ignores --num-query-groups without it and gives every head its own KV head)")
@@ -490,13 +497,17 @@ class SparseBalanceConfig:
 
     def tokenizer_vocab_size(self) -> Optional[int]:
         """Without --model and --vocab-size, Megatron-LM sizes the vocabulary from the tokenizer:
-        ``--tokenizer-model``'s, padded to a multiple of 128 (its --make-vocab-size-divisible-by)."""
+        ``--tokenizer-model``'s, padded to a multiple of --make-vocab-size-divisible-by x TP, so
+        that both entries build the same embedding from the same flags."""
         if not self.model.megatron_defaults or self.model.vocab_size is not None or not self.data.tokenizer_model:
             return None
         if self._tokenizer_vocab is None:
             from megatron_sparsebalance.data.datasets import load_tokenizer
 
-            self._tokenizer_vocab = -(-len(load_tokenizer(self.data.tokenizer_model)) // 128) * 128
+            # TP < 1 is refused later by name (validate_tensor_parallel); pad as at TP 1 until then.
+            tp = max(1, self.parallel.tensor_model_parallel_size)
+            self._tokenizer_vocab = padded_vocab_size(len(load_tokenizer(self.data.tokenizer_model)),
+                                                      self.model.make_vocab_size_divisible_by, tp)
         return self._tokenizer_vocab
 
     def pipeline_layer_split(self, shape: Optional[ModelShape] = None) -> list:

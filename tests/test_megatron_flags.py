@@ -329,6 +329,13 @@ def test_hugging_face_tokenizer_gives_the_vocabulary_and_the_eod(tokenizer_dir, 
             "--seq-length", "1024", "--moba-topk", "4", "--moba-block-size", "64"]
     cfg = parse_config(argv).validate(1)
     assert cfg.model_shape().vocab_size == 128 >= len(vocab)  # Megatron-LM pads the tokenizer's size to 128
+    # ... to a multiple of --make-vocab-size-divisible-by x TP, as Megatron-LM's tokenizer set-up
+    tp2 = parse_config(argv + ["--tensor-model-parallel-size", "2"]).validate(2)
+    assert tp2.model_shape().vocab_size == 256
+    assert parse_config(argv + ["--make-vocab-size-divisible-by", "48"]).validate(1).model_shape().vocab_size == 48 * (
+        -(-len(vocab) // 48))
+    with pytest.raises(ValueError, match="--make-vocab-size-divisible-by must be >= 1"):
+        parse_config(argv + ["--make-vocab-size-divisible-by", "0"]).validate(1)
     assert eod_id(cfg.data) == vocab["</s>"]
     with pytest.raises(ValueError, match="NullTokenizer reads no --tokenizer-model"):
         parse_config([a if a != "HuggingFaceTokenizer" else "NullTokenizer" for a in argv]).validate(1)

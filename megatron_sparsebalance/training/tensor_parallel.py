@@ -41,6 +41,7 @@ def validate_tensor_parallel(shape, tp: int, sequence_parallel: bool, context_pa
         raise ValueError(f"--tensor-model-parallel-size ({tp}) must divide --ffn-hidden-size ({shape.ffn_hidden_size})")
     if shape.vocab_size % tp:
         raise ValueError(f"the vocabulary ({shape.vocab_size}) must be divisible by --tensor-model-parallel-size "
-                         f"({tp}): pad it with --make-vocab-size-divisible-by (Megatron-LM pads to a multiple of "
-                         "that times TP)")
+                         f"({tp}): a --vocab-size given is the embedding's rows as they are, so give a multiple of "
+                         "TP; a tokenizer's vocabulary (and the converter's) is padded to a multiple of "
+                         "--make-vocab-size-divisible-by x TP")
 
