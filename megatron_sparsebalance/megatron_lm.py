@@ -43,7 +43,7 @@ import torch
 from megatron_sparsebalance.balance.feedback import calibrate_latency, learn_coverage_floor
 from megatron_sparsebalance.compat import HAVE_MEGATRON_TRAINING, MEGATRON_CORE, MEGATRON_CORE_VERSION
 from megatron_sparsebalance.config import GROUPS, SparseBalanceConfig, add_arguments
-from megatron_sparsebalance.data.datasets import MOCK_VOCAB_SIZE
+from megatron_sparsebalance.data.datasets import MOCK_VOCAB_SIZE, TOKENIZER_TYPES
 
 # Our groups Megatron-LM's parser lacks entirely; of "data" only the fields it lacks are added.
 _OUR_GROUPS = ("sparse", "dst", "latency", "batching", "data", "split")
@@ -93,7 +93,8 @@ def config_from_megatron_args(args) -> SparseBalanceConfig:
         setattr(cfg, name, _from_args(cls, args))
     cfg.data = _from_args(GROUPS["data"], args, data_path=_single_path(args, "data_path"),
                           valid_data_path=_single_path(args, "valid_data_path"),
-                          mock_vocab_size=min(args.mock_vocab_size or MOCK_VOCAB_SIZE, args.padded_vocab_size))
+                          mock_vocab_size=min(args.mock_vocab_size or MOCK_VOCAB_SIZE, args.padded_vocab_size),
+                          **_token_source(args))
     # Megatron-LM has already loaded --use-checkpoint-args into args: the shape is args'. Two of
     # its flags store under another name than the flag's (--norm-epsilon, --disable-bias-linear).
     cfg.model = _from_args(GROUPS["model"], args, model=None, vocab_size=args.padded_vocab_size,
@@ -101,6 +102,48 @@ def config_from_megatron_args(args) -> SparseBalanceConfig:
                            disable_bias_linear=not args.add_bias_linear)
     cfg.checkpoint = _from_args(GROUPS["checkpoint"], args, load_optim=not args.no_load_optim)
     return cfg
+
+
+def _token_source(args) -> dict:
+    """Our data's tokenizer fields from Megatron-LM's arguments.
+
+    Megatron-LM builds a tokenizer of any of its --tokenizer-type values. Our datasets read token
+    ids (Megatron-LM's .bin/.idx, or mock data) and take from a tokenizer only the end-of-document
+    id of --eod-mask-loss, which this entry hands them from Megatron-LM's tokenizer
+    (``datasets_provider``): so every type works with token files. Text (.jsonl) is tokenized by
+    our Hugging Face path alone, so there the other types are refused by name.
+    """
+    if args.tokenizer_type is None or args.tokenizer_type in TOKENIZER_TYPES:
+        return {}
+    paths = [p for name in ("data_path", "valid_data_path") for p in (getattr(args, name, None) or [])]
+    if not getattr(args, "mock_data", False) and any(str(p).endswith(".jsonl") for p in paths):
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type} with .jsonl text: SparseBalance tokenizes text "
+                         "with a Hugging Face tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR); "
+                         "or pre-tokenize it with Megatron-LM's tools/preprocess_data.py and pass the .bin/.idx prefix")
+    return dict(tokenizer_type=None, tokenizer_model=None)
+
+
+def checked_config(args) -> SparseBalanceConfig:
+    """:func:`config_from_megatron_args`, validated: called once before any process group starts
+    (:func:`parse_megatron_args`), so that bad settings of ours stop the run there, and again by
+    the datasets provider, which keeps it."""
+    cfg = config_from_megatron_args(args)
+    cfg.sparse.validate()
+    cfg.batching.validate(cfg.data.seq_length)
+    cfg.dst_config().validate()
+    cfg.data.validate()
+    return cfg
+
+
+def end_of_document(cfg: SparseBalanceConfig) -> Optional[int]:
+    """The EOD id --eod-mask-loss masks in token files: Megatron-LM's tokenizer's, by its type's
+    rule (NullTokenizer: --vocab-size - 1, or --null-tokenizer-eod-id); None without the flag or
+    with mock data, whose samples carry our own EOD."""
+    if not cfg.data.eod_mask_loss or cfg.data.mock_data:
+        return None
+    from megatron.training import get_tokenizer
+
+    return int(get_tokenizer().eod)
 
 
 def _refuse_what_we_cannot_run(args) -> None:
@@ -189,7 +232,8 @@ def parse_megatron_args(argv=None):
         load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
         load_args_from_checkpoint(args)
     validate_args(args, {})
-    set_global_variables(args)
+    set_global_variables(args)  # builds Megatron-LM's tokenizer: the padded vocabulary our config reads
+    checked_config(args)
     if args.rank == 0 and notes:
         print("megatron_sparsebalance: without the packages they need, turned off " + "; ".join(notes), flush=True)
     return args
@@ -273,14 +317,11 @@ class _RunState:
         from megatron.core import parallel_state
 
         from megatron_sparsebalance.balance.dst import CoverageFloor
-        from megatron_sparsebalance.data.datasets import build_dataset, build_validation_dataset
+        from megatron_sparsebalance.data.datasets import build_dataset, build_validation_dataset, has_validation_data
         from megatron_sparsebalance.data.sampler import GlobalBatchSampler
         from megatron_sparsebalance.pretrain import build_batcher, build_latency_model, stage_costs_of
 
-        self.cfg = cfg = config_from_megatron_args(args)
-        cfg.sparse.validate()
-        cfg.batching.validate(cfg.data.seq_length)
-        cfg.dst_config().validate()
+        self.cfg = cfg = checked_config(args)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -299,10 +340,13 @@ class _RunState:
             sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_size, batcher, seed=seed)
             return GlobalBatchStream(dataset, sampler, self.dp_rank)
 
-        self.train = stream(build_dataset(cfg.data), cfg.data.seed)
+        eod = end_of_document(cfg)
+        self.train = stream(build_dataset(cfg.data, eod=eod), cfg.data.seed)
         self.valid = None
-        if args.eval_iters and (cfg.data.valid_data_path or cfg.data.mock_data):
-            self.valid = stream(build_validation_dataset(cfg.data, args.eval_iters * args.global_batch_size),
+        # Megatron-LM evaluates on --valid-data-path, or on --split's validation share of
+        # --data-path (its default split, 969,30,1, has one).
+        if args.eval_iters and has_validation_data(cfg.data):
+            self.valid = stream(build_validation_dataset(cfg.data, args.eval_iters * args.global_batch_size, eod=eod),
                                 cfg.data.seed)
         self.iteration = args.iteration  # training global batches run so far (resumed: the checkpoint's)
         # Our figures and the exact loss of every iteration, one JSON row each (the last pipeline

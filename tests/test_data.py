@@ -15,6 +15,8 @@ from megatron_sparsebalance.data.datasets import (
     JsonlDataset,
     MockDataset,
     build_dataset,
+    build_validation_dataset,
+    has_validation_data,
     pack_micro_batch,
     write_indexed_dataset,
 )
@@ -260,6 +262,30 @@ def test_indexed_dataset_round_trip(tmp_path):
     assert build_dataset(cfg).lengths.tolist() == [5, 300, 17, 512, 2]
     with pytest.raises(ValueError, match="--data-path .*no .*bin"):
         build_dataset(DataConfig(data_path=str(tmp_path / "missing")))
+
+
+def test_end_of_document_given_by_the_caller_masks_token_files_only(tmp_path):
+    """The Megatron-LM entry hands over its tokenizer's EOD (``eod``): it masks in token files,
+    the validation split included; mock samples keep their own EOD, the last mock id."""
+    prefix = str(tmp_path / "corpus")
+    write_indexed_dataset(prefix, [np.array([5, 7, 9, 3, 8]), np.array([4, 9, 6, 1])], vocab_size=16)
+    cfg = DataConfig(data_path=prefix, seq_length=64, eod_mask_loss=True, split="1,1")
+    train = build_dataset(cfg, vocab_size=16, eod=9)
+    assert train.eod_mask_id == 9 and build_dataset(cfg, vocab_size=16).eod_mask_id == 15
+    packed = pack_micro_batch(train, [0])  # the prediction made from the 9 is not a target
+    unmasked = pack_micro_batch(build_dataset(DataConfig(data_path=prefix, seq_length=64, split="1,1")), [0])
+    assert unmasked.loss_mask.sum() - packed.loss_mask.sum() == 1
+    assert build_validation_dataset(cfg, 1, vocab_size=16, eod=9).eod_mask_id == 9
+    mock = DataConfig(mock_data=True, mock_samples=2, seq_length=64, eod_mask_loss=True, mock_vocab_size=100)
+    assert build_dataset(mock, eod=9).eod_mask_id == 99
+
+
+def test_has_validation_data_follows_split_and_paths():
+    assert has_validation_data(DataConfig(data_path="p", split="969, 30, 1"))
+    assert not has_validation_data(DataConfig(data_path="p", split="100,0,0"))
+    assert not has_validation_data(DataConfig(data_path="p"))
+    assert has_validation_data(DataConfig(data_path="p", valid_data_path="v"))
+    assert has_validation_data(DataConfig(mock_data=True))
 
 
 def test_data_config_validation():

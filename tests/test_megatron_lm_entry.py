@@ -55,3 +55,25 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(decrease_batch_size_if_needed=True), "--decrease-batch-size-if-needed")):
         with pytest.raises(ValueError, match=flag):
             _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, **change}))
+
+
+def test_megatron_lm_tokenizers_read_token_files_and_text_needs_ours():
+    """Any of Megatron-LM's tokenizer types works with token files (our data reads ids; the EOD
+    comes from Megatron-LM's tokenizer); .jsonl text with a type we cannot tokenize with is refused
+    by name."""
+    from types import SimpleNamespace
+
+    from megatron_sparsebalance.megatron_lm import _token_source
+
+    def args(tokenizer_type, data_path, mock_data=False):
+        return SimpleNamespace(tokenizer_type=tokenizer_type, data_path=data_path, valid_data_path=None,
+                               mock_data=mock_data)
+
+    assert _token_source(args("GPT2BPETokenizer", ["corpus_text_document"])) == dict(tokenizer_type=None,
+                                                                                   tokenizer_model=None)
+    assert _token_source(args("Llama2Tokenizer", None, mock_data=True)) == dict(tokenizer_type=None,
+                                                                              tokenizer_model=None)
+    assert _token_source(args("HuggingFaceTokenizer", ["a.jsonl"])) == {}  # ours: its fields pass as they are
+    assert _token_source(args("NullTokenizer", ["corpus"])) == {}
+    with pytest.raises(ValueError, match="--tokenizer-type SentencePieceTokenizer with .jsonl text"):
+        _token_source(args("SentencePieceTokenizer", ["a.jsonl"]))

@@ -423,9 +423,10 @@ class DataConfig:
         return self
 
 
-def build_dataset(cfg: DataConfig, vocab_size: Optional[int] = None) -> TokenDataset:
+def build_dataset(cfg: DataConfig, vocab_size: Optional[int] = None, eod: Optional[int] = None) -> TokenDataset:
     """The training samples; ``vocab_size`` (the model's) gives the EOD id of ``--eod-mask-loss``
-    without a tokenizer."""
+    without a tokenizer, and ``eod`` overrides both for token files (the Megatron-LM entry passes
+    Megatron-LM's tokenizer's, whichever its --tokenizer-type)."""
     cfg.validate()
     if cfg.mock_data:
         dataset = MockDataset(cfg.mock_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content,
@@ -435,7 +436,7 @@ def build_dataset(cfg: DataConfig, vocab_size: Optional[int] = None) -> TokenDat
         dataset = _file_dataset(cfg.data_path, cfg)
         if cfg.split is not None:
             dataset = SplitDataset(dataset, *split_ranges(len(dataset), cfg.split)[0])
-    return _with_eod_mask(dataset, cfg, vocab_size)
+    return _with_eod_mask(dataset, cfg, vocab_size, eod)
 
 
 def eod_id(cfg: DataConfig, vocab_size: Optional[int] = None) -> int:
@@ -453,10 +454,19 @@ def eod_id(cfg: DataConfig, vocab_size: Optional[int] = None) -> int:
     return vocab_size - 1
 
 
-def _with_eod_mask(dataset: TokenDataset, cfg: DataConfig, vocab_size: Optional[int]) -> TokenDataset:
+def _with_eod_mask(dataset: TokenDataset, cfg: DataConfig, vocab_size: Optional[int],
+                   eod: Optional[int] = None) -> TokenDataset:
     if cfg.eod_mask_loss:
-        dataset.eod_mask_id = eod_id(cfg, vocab_size)
+        # Mock samples carry our own EOD (the last mock id), whoever tokenizes the real data.
+        dataset.eod_mask_id = eod if eod is not None and not cfg.mock_data else eod_id(cfg, vocab_size)
     return dataset
+
+
+def has_validation_data(cfg: DataConfig) -> bool:
+    """Whether :func:`build_validation_dataset` has samples to draw: a --valid-data-path, mock
+    data, or a --split of --data-path whose validation share is not zero."""
+    return bool(cfg.valid_data_path or cfg.mock_data
+                or (cfg.data_path and cfg.split is not None and parse_split(cfg.split)[1] > 0))
 
 
 def _file_dataset(path: str, cfg: DataConfig) -> TokenDataset:
@@ -465,17 +475,18 @@ def _file_dataset(path: str, cfg: DataConfig) -> TokenDataset:
     return IndexedTokenDataset(path, cfg.seq_length, cfg.overlong_samples)
 
 
-def build_validation_dataset(cfg: DataConfig, num_samples: int, vocab_size: Optional[int] = None) -> TokenDataset:
+def build_validation_dataset(cfg: DataConfig, num_samples: int, vocab_size: Optional[int] = None,
+                             eod: Optional[int] = None) -> TokenDataset:
     """The held-out samples of evaluation: ``--valid-data-path``, else the validation range of
     ``--split`` of ``--data-path``, else (mock data) ``num_samples`` of the mock validation split,
     drawn like the training samples but from their own streams and seed (``VALIDATION_SEED``), so
     they never repeat a training sample whatever ``--seed`` is."""
     cfg.validate()
     if cfg.valid_data_path:
-        return _with_eod_mask(_file_dataset(cfg.valid_data_path, cfg), cfg, vocab_size)
+        return _with_eod_mask(_file_dataset(cfg.valid_data_path, cfg), cfg, vocab_size, eod)
     if not cfg.mock_data and cfg.data_path and cfg.split is not None:
         full = _file_dataset(cfg.data_path, cfg)
-        return _with_eod_mask(SplitDataset(full, *split_ranges(len(full), cfg.split)[1]), cfg, vocab_size)
+        return _with_eod_mask(SplitDataset(full, *split_ranges(len(full), cfg.split)[1]), cfg, vocab_size, eod)
     if not cfg.mock_data:
         raise ValueError("evaluation needs validation data: --split with --data-path, --valid-data-path, or --mock-data")
     return _with_eod_mask(MockDataset(num_samples, cfg.mock_length_distribution, cfg.seq_length, cfg.mock_content,

@@ -60,3 +60,29 @@ def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_g
 
     with pytest.raises(ValueError, match=flag):
         parse_megatron_args(SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "2", *extra])
+
+
+def test_megatron_lm_loop_on_token_files_masks_its_tokenizers_eod_and_evaluates_on_the_split(tmp_path):
+    """Megatron-LM's usual data: a .bin/.idx prefix, its tokenizer's EOD for --eod-mask-loss (here
+    NullTokenizer's, moved by --null-tokenizer-eod-id), and no --split, so Megatron-LM's default
+    969,30,1 holds a validation share that --eval-interval evaluates on."""
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, SHAPE, TRAINING
+    from tests import megatron_flags_cases as cases
+
+    prefix = str(tmp_path / "docs")
+    cases.write_documents(prefix, count=700)  # EOD = cases.VOCAB - 1, some inside documents
+    ours = "--dst-anchor mean --dst-p 0.1 --batching sab --moba-block-size 128 --moba-topk 8".split()
+    argv = SHAPE + TRAINING + ours + MEGATRON_LM + [
+        "--train-iters", "2", "--lr-decay-iters", "2", "--eval-iters", "1", "--eval-interval", "2",
+        "--data-path", prefix, "--eod-mask-loss", "--null-tokenizer-eod-id", str(cases.VOCAB - 1)]
+    probe = ("import sys; from megatron.training import get_args; "
+             "from megatron_sparsebalance.megatron_lm import checked_config, end_of_document, parse_megatron_args; "
+             "parse_megatron_args(sys.argv[1:]); print('EOD', end_of_document(checked_config(get_args())))")
+    out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and f"EOD {cases.VOCAB - 1}" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_sparsebalance.megatron_lm",
+           *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert len([ln for ln in out.stdout.splitlines() if " iteration " in ln and "lm loss:" in ln]) == 2
+    assert " validation loss at " in out.stdout, out.stdout[-4000:]
