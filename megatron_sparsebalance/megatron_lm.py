@@ -42,7 +42,13 @@ import torch
 
 from megatron_sparsebalance.balance.feedback import calibrate_latency, learn_coverage_floor
 from megatron_sparsebalance.compat import HAVE_MEGATRON_TRAINING, MEGATRON_CORE, MEGATRON_CORE_VERSION
-from megatron_sparsebalance.config import GROUPS, SparseBalanceConfig, add_arguments
+from megatron_sparsebalance.config import (
+    GROUPS,
+    REFUSED_ATTENTION_BACKENDS,
+    REFUSED_POSITION_EMBEDDINGS,
+    SparseBalanceConfig,
+    add_arguments,
+)
 from megatron_sparsebalance.data.datasets import MOCK_VOCAB_SIZE, TOKENIZER_TYPES
 
 # Our groups Megatron-LM's parser lacks entirely; of "data" only the fields it lacks are added.
@@ -147,8 +153,29 @@ def end_of_document(cfg: SparseBalanceConfig) -> Optional[int]:
 
 
 def _refuse_what_we_cannot_run(args) -> None:
-    """Megatron-LM features our schedule or data path does not implement, refused by name."""
+    """Megatron-LM features our schedule, model or data path does not implement, refused by name.
+    The model's refusals are the standalone entry's (``config.py``), plus the layer kinds our
+    dense GPT layer spec does not build: megatron-core would take the flag and build a model
+    without it."""
+    backend = getattr(args, "attention_backend", None)
+    backend = getattr(backend, "name", backend)  # Megatron-LM's AttnBackend enum
+    position = getattr(args, "position_embedding_type", None)
     checks = (
+        (backend in REFUSED_ATTENTION_BACKENDS,
+         f"--attention-backend {backend} selects Transformer Engine's or Megatron's fused attention kernels, which "
+         "SparseBalance's core attention replaces: use auto or local"),
+        (position in REFUSED_POSITION_EMBEDDINGS,
+         f"--position-embedding-type {position} is not supported: {REFUSED_POSITION_EMBEDDINGS.get(position)}"),
+        (bool(getattr(args, "num_experts", None)),
+         "--num-experts: mixture-of-experts layers are not built with the sparse core attention (its layer spec "
+         "is megatron-core's dense GPT layer)"),
+        (getattr(args, "multi_latent_attention", False),
+         "--multi-latent-attention: the sparse core attention is grouped-query attention; MLA's compressed keys "
+         "and values are not built"),
+        (bool(getattr(args, "mtp_num_layers", None)),
+         "--mtp-num-layers: multi-token prediction is not built (our schedule computes the next-token loss)"),
+        (getattr(args, "heterogeneous_layers_config_path", None) is not None,
+         "--heterogeneous-layers-config-path: layers of differing shapes are not built (one GPT layer spec)"),
         (getattr(args, "virtual_pipeline_model_parallel_size", None) not in (None, 1),
          "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: the interleaved "
          "schedule is not implemented by SparseBalance's 1F1B"),

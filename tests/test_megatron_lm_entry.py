@@ -42,7 +42,9 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
     fine = dict(virtual_pipeline_model_parallel_size=None, context_parallel_size=1, use_legacy_models=False,
                 dataloader_type=None, decoder_pipeline_split="even", attention_dropout=0.0,
                 variable_micro_batches=False, calculate_per_token_loss=False, rampup_batch_size=None,
-                step_batch_size_schedule=None, decrease_batch_size_if_needed=False)
+                step_batch_size_schedule=None, decrease_batch_size_if_needed=False,
+                attention_backend=SimpleNamespace(name="auto"), position_embedding_type="rope", num_experts=None,
+                multi_latent_attention=False, mtp_num_layers=None, heterogeneous_layers_config_path=None)
     _refuse_what_we_cannot_run(SimpleNamespace(**fine))
     for change, flag in ((dict(virtual_pipeline_model_parallel_size=2), "--num-layers-per-virtual-pipeline-stage"),
                          (dict(context_parallel_size=2), "--context-parallel-size"),
@@ -52,7 +54,13 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(variable_micro_batches=True), "--calculate-per-token-loss"),
                          (dict(rampup_batch_size=[16, 8, 1000]), "--rampup-batch-size"),
                          (dict(step_batch_size_schedule="0:16 1K:32"), "--step-batch-size-schedule"),
-                         (dict(decrease_batch_size_if_needed=True), "--decrease-batch-size-if-needed")):
+                         (dict(decrease_batch_size_if_needed=True), "--decrease-batch-size-if-needed"),
+                         (dict(attention_backend=SimpleNamespace(name="flash")), "--attention-backend flash selects"),
+                         (dict(position_embedding_type="yarn"), "--position-embedding-type yarn is not supported"),
+                         (dict(num_experts=8), "--num-experts"),
+                         (dict(multi_latent_attention=True), "--multi-latent-attention"),
+                         (dict(mtp_num_layers=1), "--mtp-num-layers"),
+                         (dict(heterogeneous_layers_config_path="h.json"), "--heterogeneous-layers-config-path")):
         with pytest.raises(ValueError, match=flag):
             _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, **change}))
 

@@ -51,6 +51,9 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     (["--rampup-batch-size", "2", "2", "8"], "--rampup-batch-size"),
     (["--decrease-batch-size-if-needed"], "--decrease-batch-size-if-needed"),
     (["--context-parallel-size", "2"], "--context-parallel-size"),
+    (["--attention-backend", "flash"], "--attention-backend flash selects"),
+    (["--num-experts", "4"], "--num-experts"),
+    (["--position-embedding-type", "yarn"], "--position-embedding-type yarn"),
 ])
 def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
     """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
