@@ -388,7 +388,9 @@ class DataConfig:
         if self.tokenizer_type in REFUSED_TOKENIZERS:
             raise ValueError(f"--tokenizer-type {self.tokenizer_type} is not built here: use HuggingFaceTokenizer with "
                              "--tokenizer-model (a local Hugging Face tokenizer directory, which GPT-2 BPE, "
-                             "SentencePiece and tiktoken models have), or NullTokenizer with pre-tokenized data")
+                             "SentencePiece and tiktoken models have), or NullTokenizer with pre-tokenized data; "
+                             "the Megatron-LM entry (python -m megatron_sparsebalance.megatron_lm) reads token files "
+                             "under any of Megatron-LM's tokenizer types")
         if self.tokenizer_type is not None and self.tokenizer_type not in TOKENIZER_TYPES:
             raise ValueError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}, got {self.tokenizer_type!r}")
         if self.tokenizer_type == "HuggingFaceTokenizer" and not self.tokenizer_model:
