@@ -57,6 +57,15 @@ REFUSED_POSITION_EMBEDDINGS = {
 }
 
 
+def refuse_position_embedding(position_embedding_type: Optional[str]) -> None:
+    """A --position-embedding-type that megatron-core builds and our model does not, refused by
+    name (both entries)."""
+    if position_embedding_type in REFUSED_POSITION_EMBEDDINGS:
+        raise ValueError(f"--position-embedding-type {position_embedding_type} is not supported: "
+                         f"{REFUSED_POSITION_EMBEDDINGS[position_embedding_type]}; allowed: "
+                         f"{', '.join(POSITION_EMBEDDING_TYPES)}")
+
+
 @dataclass
 class ModelConfig:
     model: Optional[str] = None
@@ -193,9 +202,7 @@ class ModelConfig:
                 raise ValueError(f"--hidden-size ({self.hidden_size}) must be a multiple of --num-attention-heads "
                                  f"({self.num_attention_heads}) without --kv-channels (Megatron-LM's rule)")
         pet = self.position_embedding_type
-        if pet in REFUSED_POSITION_EMBEDDINGS:
-            raise ValueError(f"--position-embedding-type {pet} is not supported: {REFUSED_POSITION_EMBEDDINGS[pet]}; "
-                             f"allowed: {', '.join(POSITION_EMBEDDING_TYPES)}")
+        refuse_position_embedding(pet)
         if pet is not None and pet not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"--position-embedding-type must be one of {', '.join(POSITION_EMBEDDING_TYPES)}, got {pet!r}")
         if self.normalization is not None and self.normalization not in NORMALIZATIONS:
@@ -384,6 +391,15 @@ class EvalFlags:
 
 ATTENTION_BACKENDS = ("auto", "local")
 REFUSED_ATTENTION_BACKENDS = ("flash", "fused", "unfused")
+
+
+def refuse_attention_backend(backend: Optional[str]) -> None:
+    """An --attention-backend that selects kernels our core attention replaces, refused by name
+    (both entries)."""
+    if backend in REFUSED_ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {backend} selects Transformer Engine's or Megatron's fused attention "
+                         "kernels, which SparseBalance's core attention replaces: use auto or local")
+
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
 
@@ -425,9 +441,7 @@ class MegatronLMFlags:
         if self.transformer_impl == "transformer_engine" and not HAVE_TE:
             raise ValueError("--transformer-impl transformer_engine needs Transformer Engine, which does not import "
                              "here: use --transformer-impl local (megatron-core's local spec)")
-        if self.attention_backend in REFUSED_ATTENTION_BACKENDS:
-            raise ValueError(f"--attention-backend {self.attention_backend} selects Transformer Engine's or Megatron's "
-                             "fused attention kernels, which SparseBalance's core attention replaces: use auto or local")
+        refuse_attention_backend(self.attention_backend)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be auto or local, got {self.attention_backend!r}")
         if self.cross_entropy_fusion_impl not in CROSS_ENTROPY_FUSION_IMPLS:

@@ -44,10 +44,10 @@ from megatron_sparsebalance.balance.feedback import calibrate_latency, learn_cov
 from megatron_sparsebalance.compat import HAVE_MEGATRON_TRAINING, MEGATRON_CORE, MEGATRON_CORE_VERSION
 from megatron_sparsebalance.config import (
     GROUPS,
-    REFUSED_ATTENTION_BACKENDS,
-    REFUSED_POSITION_EMBEDDINGS,
     SparseBalanceConfig,
     add_arguments,
+    refuse_attention_backend,
+    refuse_position_embedding,
 )
 from megatron_sparsebalance.data.datasets import MOCK_VOCAB_SIZE, TOKENIZER_TYPES
 
@@ -158,14 +158,9 @@ def _refuse_what_we_cannot_run(args) -> None:
     dense GPT layer spec does not build: megatron-core would take the flag and build a model
     without it."""
     backend = getattr(args, "attention_backend", None)
-    backend = getattr(backend, "name", backend)  # Megatron-LM's AttnBackend enum
-    position = getattr(args, "position_embedding_type", None)
+    refuse_attention_backend(getattr(backend, "name", backend))  # Megatron-LM's AttnBackend enum
+    refuse_position_embedding(getattr(args, "position_embedding_type", None))
     checks = (
-        (backend in REFUSED_ATTENTION_BACKENDS,
-         f"--attention-backend {backend} selects Transformer Engine's or Megatron's fused attention kernels, which "
-         "SparseBalance's core attention replaces: use auto or local"),
-        (position in REFUSED_POSITION_EMBEDDINGS,
-         f"--position-embedding-type {position} is not supported: {REFUSED_POSITION_EMBEDDINGS.get(position)}"),
         (bool(getattr(args, "num_experts", None)),
          "--num-experts: mixture-of-experts layers are not built with the sparse core attention (its layer spec "
          "is megatron-core's dense GPT layer)"),
