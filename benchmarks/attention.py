@@ -27,7 +27,8 @@ Usage: ``python3 -m benchmarks.attention [--quick] [--tune] [--impls cuda,triton
 Writes ``$OUT/attention_h200.json`` (or ``--out``) and prints a table. ``--markdown FILE`` prints
 docs/BENCHMARKS.md's table of a results file instead of measuring; ``--auto-table FILE`` files the
 order of our implementations measured in FILE under its GPU in ``ops/measured_order.py`` (what
-``--sparse-attn-impl auto`` follows).
+``--sparse-attn-impl auto`` follows); ``--merge PART ... --out FILE`` joins runs of disjoint cases
+(one process per GPU of a machine, split by ``--shapes`` and ``--seqs``) into one results file.
 """
 from __future__ import annotations
 
@@ -515,7 +516,22 @@ def main(argv=None):
     ap.add_argument("--auto-table", default=None, metavar="JSON",
                     help="file the order of our implementations measured in a results file under its GPU in "
                          f"{MEASURED_ORDER_PATH} (what --sparse-attn-impl auto follows) and exit")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="join results files of disjoint cases, measured alike (same GPU, versions, rounds), "
+                         "into --out and exit")
     args = ap.parse_args(argv)
+    if args.merge:
+        if not args.out:
+            ap.error("--merge needs --out, the merged file's path")
+        parts = []
+        for path in args.merge:
+            with open(path) as f:
+                parts.append(json.load(f))
+        result = merge_results(parts, args.merge)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print_table(result)
+        return result
     if args.markdown:
         with open(args.markdown) as f:
             print(markdown_table(json.load(f)))
@@ -605,6 +621,27 @@ def main(argv=None):
             json.dump(result, f, indent=1)
     print_table(result)
     return result
+
+
+def merge_results(parts: list, names: list) -> dict:
+    """One results file from runs of disjoint cases: the first run's metadata, every run's rows and
+    router rows in order. Refused: runs whose metadata differ (another GPU, versions, rounds or
+    Triton tiles: their times would not compare) and a case measured twice (which one to keep
+    would be a guess). ``names`` name the runs in the errors."""
+    first = {k: v for k, v in parts[0].items() if k not in ("rows", "router")}
+    seen = {}
+    for part, name in zip(parts, names):
+        meta = {k: v for k, v in part.items() if k not in ("rows", "router")}
+        differing = sorted(k for k in first.keys() | meta.keys() if first.get(k) != meta.get(k))
+        if differing:
+            raise ValueError(f"--merge: {name} was measured unlike {names[0]} ({', '.join(differing)} differ)")
+        for row in part["rows"]:
+            key = (row["impl"], row["shape"], row["seq"], row["density"])
+            if key in seen:
+                raise ValueError(f"--merge: {key} is in both {seen[key]} and {name}")
+            seen[key] = name
+    return dict(first, rows=[r for p in parts for r in p["rows"]],
+                router=[r for p in parts for r in p.get("router", [])])
 
 
 def sparse_cases(rows):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.attention import main, markdown_table
 
 
@@ -195,3 +197,29 @@ def test_a_case_checks_every_implementation_before_timing_them_in_turns(monkeypa
     assert flex["ms"] is None and flex["error"].startswith("AssertionError: differs from cuda")
     assert flash["ms"] is None and flash["error"] == "RuntimeError: compile failed"
     assert cuda["tflops"] == 4 * 4 * 128 * 128 * 8 * 3.5 / 2.0 / 1e9
+
+
+def test_merge_joins_runs_of_disjoint_cases_and_refuses_runs_measured_unlike(tmp_path):
+    meta = dict(gpu="NVIDIA X", torch="2.11", rounds=6)
+    small = dict(meta, rows=[_row("cuda", 0.1, 1.0)], router=[dict(shape="qwen2.5-3b", seq=32768, density=0.1, k=13, router_ms=0.9, router_gpu_ms=0.05,
+                                   router_in_step_ms=0.02)])
+    large = dict(meta, rows=[_row("cuda", 0.25, 4.0), _row("fa4", 0.25, 3.0)], router=[])
+    paths = []
+    for i, part in enumerate((small, large)):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    out = tmp_path / "merged.json"
+    main(["--merge", *map(str, paths), "--out", str(out)])
+    merged = json.loads(out.read_text())
+    assert merged["gpu"] == "NVIDIA X" and merged["rounds"] == 6
+    assert [(r["impl"], r["density"]) for r in merged["rows"]] == [("cuda", 0.1), ("cuda", 0.25), ("fa4", 0.25)]
+    assert merged["router"] == small["router"]
+
+    paths[1].write_text(json.dumps(dict(large, rounds=4)))
+    with pytest.raises(ValueError, match="part1.json was measured unlike .*part0.json \\(rounds differ\\)"):
+        main(["--merge", *map(str, paths), "--out", str(out)])
+    paths[1].write_text(json.dumps(dict(large, rows=large["rows"] + small["rows"])))
+    with pytest.raises(ValueError, match="is in both .*part0.json and .*part1.json"):
+        main(["--merge", *map(str, paths), "--out", str(out)])
+    with pytest.raises(SystemExit):  # argparse: --merge without --out
+        main(["--merge", str(paths[0])])
