@@ -14,9 +14,9 @@ MEASURED = {
         'source': 'benchmarks/results/attention_h100.json',
     },
     'NVIDIA H200': {
-        'cases': 8,
-        'geomean_ms': {'fa4': 6.6373, 'cuda': 7.0456},
-        'order': ['fa4', 'cuda'],
-        'source': 'benchmarks/results/attention_h200_fa4.json',
+        'cases': 24,
+        'geomean_ms': {'cuda': 3.184, 'fa4': 3.5164, 'triton': 5.4735},
+        'order': ['cuda', 'fa4', 'triton'],
+        'source': 'benchmarks/results/attention_h200.json',
     },
 }
