@@ -40,6 +40,8 @@ from typing import Optional
 
 import torch
 
+from megatron_sparsebalance.attention.core_attention import refuse_unbuilt_attention
+from megatron_sparsebalance.attention.spec import refuse_unbuilt_norm
 from megatron_sparsebalance.balance.feedback import calibrate_latency, learn_coverage_floor
 from megatron_sparsebalance.compat import HAVE_MEGATRON_TRAINING, MEGATRON_CORE, MEGATRON_CORE_VERSION
 from megatron_sparsebalance.config import (
@@ -154,9 +156,10 @@ def end_of_document(cfg: SparseBalanceConfig) -> Optional[int]:
 
 def _refuse_what_we_cannot_run(args) -> None:
     """Megatron-LM features our schedule, model or data path does not implement, refused by name.
-    The model's refusals are the standalone entry's (``config.py``), plus the layer kinds our
-    dense GPT layer spec does not build: megatron-core would take the flag and build a model
-    without it."""
+    The model's refusals are the standalone entry's (``config.py``), the layer kinds our dense GPT
+    layer spec does not build (megatron-core would take the flag and build a model without it),
+    and the core attention's and the local spec's norms' own refusals, made here for every layer
+    before any process group starts (the layers make them again as they are built)."""
     backend = getattr(args, "attention_backend", None)
     refuse_attention_backend(getattr(backend, "name", backend))  # Megatron-LM's AttnBackend enum
     refuse_position_embedding(getattr(args, "position_embedding_type", None))
@@ -171,6 +174,13 @@ def _refuse_what_we_cannot_run(args) -> None:
          "--mtp-num-layers: multi-token prediction is not built (our schedule computes the next-token loss)"),
         (getattr(args, "heterogeneous_layers_config_path", None) is not None,
          "--heterogeneous-layers-config-path: layers of differing shapes are not built (one GPT layer spec)"),
+        (getattr(args, "experimental_attention_variant", None) is not None,
+         f"--experimental-attention-variant {getattr(args, 'experimental_attention_variant', None)}: its layers "
+         "(gated delta net, DeepSeek sparse attention) are not built; every layer is megatron-core's GPT layer "
+         "with the sparse core attention"),
+        (getattr(args, "spec", None) is not None,
+         "--spec: the layer spec is ours (megatron-core's GPT layer with the sparse core attention in its "
+         "core_attention slot); a spec of your own would not be built: drop --spec"),
         (getattr(args, "virtual_pipeline_model_parallel_size", None) not in (None, 1),
          "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: the interleaved "
          "schedule is not implemented by SparseBalance's 1F1B"),
@@ -198,6 +208,10 @@ def _refuse_what_we_cannot_run(args) -> None:
     for bad, why in checks:
         if bad:
             raise ValueError(why)  # main() prints it after its own prefix
+    for layer_number in range(1, args.num_layers + 1):
+        refuse_unbuilt_attention(args, layer_number)
+    if getattr(args, "transformer_impl", "local") == "local":  # Transformer Engine's norms take what torch's lack
+        refuse_unbuilt_norm(args)
 
 
 def _without_missing_fusions(args) -> list:
@@ -286,7 +300,11 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, pg_collection=pg_collection,
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
+        # Megatron-LM 0.19's own GPT builder drops --rope-scaling-factor (its GPTModelConfig keeps 8.0);
+        # here the flag does what it says.
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
 

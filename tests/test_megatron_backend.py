@@ -182,3 +182,81 @@ def test_megatron_deterministic_mode_reaches_the_layer_and_refuses_fa4():
     assert attn.deterministic
     assert not core_attention().deterministic
     assert core_attention(deterministic_mode=True).deterministic
+
+
+@pytest.mark.parametrize("sparse", [dict(sparse_attention=False), dict(moba_block_size=64, moba_topk=8)])
+def test_query_key_layer_scaling_leaves_the_attention_function_as_it_is(sparse):
+    """--apply-query-key-layer-scaling: megatron scales QK^T down by the layer number and its fp32
+    softmax scales it back, so deep layers still compute softmax(QK^T / sqrt(d)) V (here with every
+    block selected, the naive dense reference)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(transformer_config(MODEL_PRESETS["tiny"]), apply_query_key_layer_scaling=True)
+    attn = SparseCoreAttention(cfg, layer_number=5, attn_mask_type=AttnMaskType.causal,
+                               sparse_config=SparseAttentionConfig(sparse_attn_impl="torch", **sparse))
+    q, k, v = torch.randn(300, 4, 32), torch.randn(300, 2, 32), torch.randn(300, 2, 32)
+    cu = torch.tensor([0, 120, 300], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=180, max_seqlen_kv=180)
+    out = attn(q, k, v, None, packed_seq_params=psp)
+    assert torch.allclose(out, dense_causal_attention(q, k, v, cu, 32 ** -0.5).reshape(300, 128), atol=1e-5)
+
+
+@pytest.mark.parametrize("change, layer, match", [
+    (dict(window_size=(128, 0)), 1, r"--window-size \(128, 0\) \(layer 1\)"),
+    (dict(window_size=(128, 0), window_attn_skip_freq=2), 3, "--window-size"),  # layers 1, 3 windowed
+    (dict(window_size=(128, 0), window_attn_skip_freq=2), 2, None),  # every second layer is full attention
+    (dict(softmax_type="off-by-one"), 1, "--softmax-type off-by-one"),
+    (dict(softmax_type="learnable"), 1, "--softmax-type learnable"),
+])
+def test_core_attention_settings_it_does_not_compute_are_refused_by_flag(change, layer, match):
+    import dataclasses
+
+    cfg = dataclasses.replace(transformer_config(MODEL_PRESETS["tiny"]), **change)
+    build = lambda: SparseCoreAttention(cfg, layer, AttnMaskType.causal,  # noqa: E731
+                                        sparse_config=SparseAttentionConfig(sparse_attn_impl="torch"))
+    if match is None:
+        build()
+    else:
+        with pytest.raises(ValueError, match=match):
+            build()
+
+
+def test_max_logit_flags_are_refused_as_megatron_lm_arguments_name_them():
+    """Megatron-LM's arguments carry the TransformerConfig's field names: the same check reads both."""
+    from types import SimpleNamespace
+
+    from megatron_sparsebalance.attention.core_attention import refuse_unbuilt_attention
+
+    refuse_unbuilt_attention(SimpleNamespace(window_size=None, softmax_type="vanilla"), 1)
+    for field, flag in (("qk_clip", "--qk-clip"), ("log_max_attention_logit", "--log-max-attention-logit")):
+        with pytest.raises(ValueError, match=flag):
+            refuse_unbuilt_attention(SimpleNamespace(**{field: True}), 1)
+
+
+def test_local_spec_norms_take_sequence_parallel_and_refuse_what_torch_norms_drop():
+    """The q/k norms of --qk-layernorm build under --sequence-parallel (megatron-core's
+    WrappedTorchNorm asserts there) and are not marked sequence_parallel: they see whole sequences,
+    and megatron-core sums their gradients over TP by name. --apply-layernorm-1p is refused by
+    name where torch's norms would drop it."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_sparsebalance.attention.spec import HeadTorchNorm, SequenceParallelTorchNorm
+
+    spec = get_gpt_layer_spec(SparseAttentionConfig(), qk_layernorm=True)
+    attention = spec.submodules.self_attention.submodules
+    assert attention.q_layernorm is HeadTorchNorm and attention.k_layernorm is HeadTorchNorm
+    cfg = dataclasses.replace(transformer_config(MODEL_PRESETS["tiny"]), tensor_model_parallel_size=2,
+                              sequence_parallel=True)
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        build_module(WrappedTorchNorm, config=cfg, hidden_size=32, eps=1e-6)
+    q_norm = build_module(attention.q_layernorm, config=cfg, hidden_size=32, eps=1e-6)
+    input_norm = build_module(spec.submodules.input_layernorm, config=cfg, hidden_size=128, eps=1e-6)
+    assert isinstance(q_norm, torch.nn.RMSNorm) and q_norm.weight.shape == (32,)
+    assert not getattr(q_norm.weight, "sequence_parallel", False) and input_norm.weight.sequence_parallel
+    one_p = dataclasses.replace(cfg, layernorm_zero_centered_gamma=True)
+    for norm in (SequenceParallelTorchNorm, HeadTorchNorm):
+        with pytest.raises(ValueError, match="--apply-layernorm-1p"):
+            build_module(norm, config=one_p, hidden_size=32, eps=1e-6)

@@ -44,8 +44,16 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                 variable_micro_batches=False, calculate_per_token_loss=False, rampup_batch_size=None,
                 step_batch_size_schedule=None, decrease_batch_size_if_needed=False,
                 attention_backend=SimpleNamespace(name="auto"), position_embedding_type="rope", num_experts=None,
-                multi_latent_attention=False, mtp_num_layers=None, heterogeneous_layers_config_path=None)
+                multi_latent_attention=False, mtp_num_layers=None, heterogeneous_layers_config_path=None,
+                experimental_attention_variant=None, spec=None, num_layers=4, window_size=None,
+                window_attn_skip_freq=None, softmax_type="vanilla", transformer_impl="local",
+                layernorm_zero_centered_gamma=False, normalization="RMSNorm")
     _refuse_what_we_cannot_run(SimpleNamespace(**fine))
+    # Every layer is checked: a --window-attn-skip-freq pattern that makes each layer full attention uses no window.
+    _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, "window_size": (64, 0), "window_attn_skip_freq": [0] * 4}))
+    # Transformer Engine's norms centre gamma; the local spec's torch norms do not.
+    _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, "layernorm_zero_centered_gamma": True,
+                                                   "transformer_impl": "transformer_engine"}))
     for change, flag in ((dict(virtual_pipeline_model_parallel_size=2), "--num-layers-per-virtual-pipeline-stage"),
                          (dict(context_parallel_size=2), "--context-parallel-size"),
                          (dict(dataloader_type="cyclic"), "--dataloader-type cyclic"),
@@ -60,7 +68,12 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(num_experts=8), "--num-experts"),
                          (dict(multi_latent_attention=True), "--multi-latent-attention"),
                          (dict(mtp_num_layers=1), "--mtp-num-layers"),
-                         (dict(heterogeneous_layers_config_path="h.json"), "--heterogeneous-layers-config-path")):
+                         (dict(heterogeneous_layers_config_path="h.json"), "--heterogeneous-layers-config-path"),
+                         (dict(experimental_attention_variant="gated_delta_net"), "--experimental-attention-variant"),
+                         (dict(spec=["my_specs", "layer_spec"]), "--spec"),
+                         (dict(window_size=(64, 0), window_attn_skip_freq=4), r"--window-size \(64, 0\) \(layer 1\)"),
+                         (dict(softmax_type="learnable"), "--softmax-type learnable"),
+                         (dict(layernorm_zero_centered_gamma=True), "--apply-layernorm-1p")):
         with pytest.raises(ValueError, match=flag):
             _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, **change}))
 

@@ -17,6 +17,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
 from megatron_sparsebalance.attention.budget import LayerBudget, active_scope
@@ -30,6 +31,27 @@ from megatron_sparsebalance.ops.sparse_attention import RouteStats, RouteSync, c
 
 # Shared by all layers: they see the same cu_seqlens tensor for a micro-batch (ops/layout.py).
 _LAYOUTS = LayoutCache()
+
+
+def refuse_unbuilt_attention(config, layer_number: int) -> None:
+    """Settings of megatron-core's core attention that SparseCoreAttention does not compute,
+    refused by flag name: megatron's ``DotProductAttention`` reads them from the
+    ``TransformerConfig`` and Megatron-LM takes them as flags, so without this check a layer
+    would quietly compute another function. ``config``: a ``TransformerConfig``, or Megatron-LM's
+    arguments (its flags carry the same field names), checked at ``layer_number`` (1-based)."""
+    window = getattr(config, "window_size", None)
+    if is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number):
+        raise ValueError(f"--window-size {window} (layer {layer_number}): sliding-window attention is not built into "
+                         "the sparse core attention, which selects blocks over the whole causal prefix; drop "
+                         "--window-size, or make the layer full attention with --window-attn-skip-freq")
+    softmax_type = getattr(config, "softmax_type", "vanilla")
+    if softmax_type != "vanilla":
+        raise ValueError(f"--softmax-type {softmax_type}: the sparse attention kernels compute the plain softmax, "
+                         "without an offset in its denominator; allowed: vanilla")
+    for field, flag in (("qk_clip", "--qk-clip"), ("log_max_attention_logit", "--log-max-attention-logit")):
+        if getattr(config, field, False):
+            raise ValueError(f"{flag} reads each head's largest attention logit from the core attention, which the "
+                             "sparse core attention does not report")
 
 
 def _host_offsets(packed_seq_params: PackedSeqParams) -> Optional[torch.Tensor]:
@@ -93,9 +115,12 @@ class SparseCoreAttention(MegatronModule):
         self.num_groups = divide(config.num_query_groups, tp)
         self.route_sync = tensor_parallel_route_sync(pg_collection.tp, config.num_query_groups, model_query_groups)
         self.head_dim = config.kv_channels
+        # --apply-query-key-layer-scaling leaves the attention function as it is: megatron's
+        # DotProductAttention scales the half-precision product QK^T down by the layer number
+        # (against overflow) and its fp32 softmax scales it back up. The kernels here accumulate
+        # scores in fp32, so there is nothing to guard, and the scale stays the softmax scale.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        if config.apply_query_key_layer_scaling:
-            self.softmax_scale /= self.layer_number
+        refuse_unbuilt_attention(config, self.layer_number)
         self.last_stats: Optional[RouteStats] = None
         # Megatron-LM's --deterministic-mode reaches us as the TransformerConfig field; ours as the flag.
         self.deterministic = bool(self.sparse_config.deterministic_mode or getattr(config, "deterministic_mode", False))

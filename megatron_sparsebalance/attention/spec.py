@@ -31,6 +31,27 @@ def sparse_core_attention_spec(sparse_config: SparseAttentionConfig, num_query_g
                       params={"sparse_config": sparse_config.validate(), "model_query_groups": num_query_groups})
 
 
+def refuse_unbuilt_norm(config) -> None:
+    """Norm settings that megatron-core's ``WrappedTorchNorm`` refuses (by assertion, while building
+    the model) and that our torch norms, which replace it in the local spec, would drop: refused by
+    flag name. ``config``: a ``TransformerConfig``, or Megatron-LM's arguments (same field names)."""
+    if getattr(config, "layernorm_zero_centered_gamma", False):
+        raise ValueError("--apply-layernorm-1p: torch's RMSNorm and LayerNorm, which the local layer spec builds, "
+                         "keep gamma as it is (not centred on 0); use --transformer-impl transformer_engine where "
+                         "Transformer Engine is installed, or drop the flag")
+    if getattr(config, "memory_efficient_layer_norm", False):
+        raise ValueError("memory_efficient_layer_norm is apex's layer norm; the local layer spec builds torch's")
+    normalization = getattr(config, "normalization", "LayerNorm")
+    if normalization not in ("RMSNorm", "LayerNorm"):
+        raise ValueError(f"--normalization must be RMSNorm or LayerNorm, got {normalization!r}")
+
+
+def _torch_norm(config: TransformerConfig, hidden_size: int, eps: float) -> torch.nn.Module:
+    refuse_unbuilt_norm(config)
+    norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+    return norm_cls(normalized_shape=hidden_size, eps=eps)
+
+
 class SequenceParallelTorchNorm:
     """megatron-core's ``WrappedTorchNorm`` (torch's RMSNorm / LayerNorm) that also runs under
     ``--sequence-parallel``, which megatron-core's local spec refuses (it has a sequence-parallel
@@ -42,21 +63,34 @@ class SequenceParallelTorchNorm:
     """
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
-        if config.normalization not in ("RMSNorm", "LayerNorm"):
-            raise ValueError(f"--normalization must be RMSNorm or LayerNorm, got {config.normalization!r}")
-        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
-        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        norm = _torch_norm(config, hidden_size, eps)
         if config.sequence_parallel:
             for param in norm.parameters():
                 param.sequence_parallel = True
         return norm
 
 
+class HeadTorchNorm:
+    """The norm of ``--qk-layernorm`` (over each head's channels of the queries and keys) where
+    megatron-core's ``WrappedTorchNorm`` would refuse ``--sequence-parallel``. The queries and keys
+    it sees hold the whole sequence on every TP rank, so its weights are not marked
+    ``sequence_parallel``: megatron-core's ``finalize_model_grads`` sums the q/k norms' gradients
+    over the TP group by name, as each rank holds other heads."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+        return _torch_norm(config, hidden_size, eps)
+
+
 def _sequence_parallel_norms(layer) -> None:
-    """The local spec's torch norms of a layer (around attention and MLP) made sequence-parallel capable."""
+    """The local spec's torch norms of a layer (around attention and MLP, and the q/k norms) made
+    sequence-parallel capable."""
     for slot in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(layer.submodules, slot, None) is WrappedTorchNorm:
             setattr(layer.submodules, slot, SequenceParallelTorchNorm)
+    attention = layer.submodules.self_attention.submodules
+    for slot in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, slot, None) is WrappedTorchNorm:
+            setattr(attention, slot, HeadTorchNorm)
 
 
 def patch_layer_spec(spec, sparse_config: SparseAttentionConfig, num_query_groups: Optional[int] = None):

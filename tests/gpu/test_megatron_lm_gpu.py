@@ -54,6 +54,12 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     (["--attention-backend", "flash"], "--attention-backend flash selects"),
     (["--num-experts", "4"], "--num-experts"),
     (["--position-embedding-type", "yarn"], "--position-embedding-type yarn"),
+    (["--window-size", "256,0"], r"--window-size \(256, 0\) \(layer 1\)"),
+    (["--softmax-type", "learnable"], "--softmax-type learnable"),
+    (["--apply-layernorm-1p"], "--apply-layernorm-1p"),
+    (["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"],
+     "--experimental-attention-variant"),
+    (["--spec", "my_specs", "layer_spec"], "--spec"),
 ])
 def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
     """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
@@ -89,3 +95,63 @@ def test_megatron_lm_loop_on_token_files_masks_its_tokenizers_eod_and_evaluates_
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert len([ln for ln in out.stdout.splitlines() if " iteration " in ln and "lm loss:" in ln]) == 2
     assert " validation loss at " in out.stdout, out.stdout[-4000:]
+
+
+ROPE_PROBE = """
+import sys, torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron_sparsebalance.megatron_lm import install, model_provider, parse_megatron_args
+install()
+args = parse_megatron_args(sys.argv[1:])
+torch.distributed.init_process_group("nccl")
+torch.cuda.set_device(0)
+parallel_state.initialize_model_parallel()
+tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+rope = model_provider().rotary_pos_emb
+expect = RotaryEmbedding(args.kv_channels, 1.0, seq_len_interpolation_factor=4, rotary_base=args.rotary_base,
+                         rope_scaling=True, rope_scaling_factor=16.0)
+print("ROPE", rope.seq_len_interpolation_factor, torch.equal(rope.inv_freq, expect.inv_freq))
+"""
+
+
+def test_megatron_lm_rope_flags_reach_the_model():
+    """--rotary-seq-len-interpolation-factor and --rope-scaling-factor (with --use-rope-scaling) are
+    the model's: Megatron-LM 0.19's own GPT builder keeps the default factor 8."""
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+
+    argv = SHAPE + TRAINING + OURS + MEGATRON_LM + [
+        "--train-iters", "2", "--rotary-seq-len-interpolation-factor", "4", "--use-rope-scaling",
+        "--rope-scaling-factor", "16"]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    out = subprocess.run([sys.executable, "-c", ROPE_PROBE, *argv], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0 and "ROPE 4 True" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def _losses(stdout: str) -> list:
+    return [float(ln.split("lm loss:")[1].split("|")[0]) for ln in stdout.splitlines()
+            if " iteration " in ln and "lm loss:" in ln]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_megatron_lm_loop_with_qk_layernorm_at_tp2_with_sequence_parallel_equals_tp1(tmp_path):
+    """--qk-layernorm (Qwen3's q/k norms) under --sequence-parallel: megatron-core's torch norm
+    refuses sequence parallelism, ours builds it; with the same initial weights
+    (--use-cpu-initialization) and a fixed budget, TP=2 trains as TP=1 does."""
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, SHAPE, TRAINING
+
+    fixed = ("--mock-data --mock-length-distribution longtail --batching none --moba-block-size 128 "
+             "--moba-topk 8 --qk-layernorm --use-cpu-initialization --train-iters 4 --lr-decay-iters 4").split()
+    losses = {}
+    for tp, extra in ((1, []), (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp), "-m",
+               "megatron_sparsebalance.megatron_lm", *SHAPE, *TRAINING, *MEGATRON_LM, *fixed, *extra]
+        # Megatron-LM asserts it under tensor parallelism; its launch scripts export it.
+        env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        losses[tp] = _losses(out.stdout)
+    assert len(losses[1]) == len(losses[2]) == 4, losses
+    assert all(abs(a - b) <= 1e-3 * a for a, b in zip(losses[1], losses[2])), losses
