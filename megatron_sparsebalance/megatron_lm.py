@@ -33,6 +33,7 @@ standalone entry ``python -m megatron_sparsebalance.pretrain`` (same flags, same
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import sys
@@ -268,6 +269,11 @@ def parse_megatron_args(argv=None):
         load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
         load_args_from_checkpoint(args)
     validate_args(args, {})
+    if getattr(args, "iterations_to_skip", None):
+        # Megatron-LM skips an iteration by drawing its micro-batches as dicts of its own batch format.
+        raise ValueError(f"--iterations-to-skip {args.iterations_to_skip} (given, or read from "
+                         "--result-rejected-tracker-filename): a skipped iteration is not built for SparseBalance's "
+                         "global batches; drop the flag (or the tracker file's entries)")
     set_global_variables(args)  # builds Megatron-LM's tokenizer: the padded vocabulary our config reads
     checked_config(args)
     if args.rank == 0 and notes:
@@ -309,11 +315,36 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     )
 
 
+# Megatron-LM's pretrain_gpt.py calls a loss spiky at ten times the largest seen so far.
+SPIKY_LOSS_FACTOR = 10
+
+
+def _validate_loss(loss: torch.Tensor) -> None:
+    """The checks Megatron-LM's own GPT loss makes through its rerun state machine: NaN and Inf
+    (fatal; on by default, off with --no-check-for-nan-in-loss-and-grad) and --check-for-spiky-loss
+    (not fatal). The machine reruns a rejected iteration to tell a transient fault from a
+    reproducible result (SparseBalanceSchedule replays the same batch for it)."""
+    from functools import partial
+
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
+    args, machine = get_args(), get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for rejected, name in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(result=loss, rejection_func=rejected, tolerance=0.0, fatal=True,
+                                    message=f"found {name} in local forward loss calculation")
+    if args.check_for_spiky_loss:
+        machine.validate_result(result=loss, tolerance=0.0, fatal=False, message="Spiky loss",
+                                rejection_func=partial(machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR,
+                                                       context="loss"))
+
+
 def forward_step(data_iterator, model):
     """Megatron-LM's ``forward_step_func`` for our packed (THD) micro-batches.
 
     The report is Megatron-LM's ``{"lm loss": [loss sum, tokens]}``, which its loop averages over
-    the tokens of the global batch.
+    the tokens of the global batch; the loss is checked as Megatron-LM's own GPT loss checks it.
     """
     from megatron_sparsebalance.training.step import gpt_forward_step
 
@@ -321,6 +352,7 @@ def forward_step(data_iterator, model):
 
     def megatron_lm_loss(per_token_loss):
         loss, tokens, _ = loss_func(per_token_loss)
+        _validate_loss(loss)
         return loss, tokens, {"lm loss": torch.stack([loss.detach().clone(), tokens.detach().to(loss.dtype)])}
 
     return output, megatron_lm_loss
@@ -329,10 +361,11 @@ def forward_step(data_iterator, model):
 class GlobalBatchStream:
     """Megatron-LM's data iterator (``--dataloader-type external``): SAB's plan per global batch.
 
-    Megatron-LM hands it to ``forward_backward_func`` every iteration; :class:`SparseBalanceSchedule`
-    draws one global batch from it (every rank draws the same plan) and feeds its own micro-batches
-    to ``forward_step``. Iterating it directly is an error: micro-batches only make sense inside a
-    planned global batch.
+    Megatron-LM wraps it in its ``RerunDataIterator`` and hands that to ``forward_backward_func``
+    every iteration; :class:`SparseBalanceSchedule` draws one item per iteration, a whole global
+    batch (every rank draws the same plan), and feeds its micro-batches to ``forward_step``. The
+    wrapper keeps the item, so a rerun of the iteration by Megatron-LM's rerun state machine gets
+    the same global batch.
     """
 
     def __init__(self, dataset, sampler, dp_rank: int):
@@ -342,10 +375,7 @@ class GlobalBatchStream:
         return self
 
     def __next__(self):
-        raise TypeError("the SparseBalance data stream is drawn per global batch by SparseBalanceSchedule; "
-                        "install() must run before Megatron-LM builds its training loop")
-
-    def next_global_batch(self):
+        """SAB's plan of the next global batch, its micro-batch lengths per rank, this rank's micro-batches."""
         plan = self.sampler.next_plan()
         return plan, plan.rank_micro_batch_lengths(), self.sampler.micro_batches(self.dataset, plan, self.dp_rank)
 
@@ -389,6 +419,7 @@ class _RunState:
             self.valid = stream(build_validation_dataset(cfg.data, args.eval_iters * args.global_batch_size, eod=eod),
                                 cfg.data.seed)
         self.iteration = args.iteration  # training global batches run so far (resumed: the checkpoint's)
+        self.first_run_plans = None  # the current iteration's plans, for a rerun of it (SparseBalanceSchedule)
         # Our figures and the exact loss of every iteration, one JSON row each (the last pipeline
         # stage's first DP rank writes): beside the checkpoints, else the TensorBoard logs.
         log_dir = args.save or args.tensorboard_dir
@@ -460,16 +491,25 @@ class SparseBalanceSchedule:
         if not isinstance(stream, GlobalBatchStream):
             raise TypeError(f"SparseBalanceSchedule needs megatron_lm.datasets_provider's stream, got {type(stream)}")
         state = _STATE
-        sample_plan, lengths, batches = stream.next_global_batch()
+        # A rerun of this iteration (Megatron-LM's rerun state machine: a rejected loss or gradient,
+        # or --rerun-mode report_stats) must compute what the first run computed: the wrapper replays
+        # the global batch, the first run's plans are run again, and the balancer, which learned from
+        # the first run, does not learn twice.
+        rerun = _rerunning_in_place()
+        sample_plan, lengths, batches = next(data_iterator)
         if not state.cfg.batching.variable_micro_batches and len(batches) != num_microbatches:
             raise ValueError(f"SAB planned {len(batches)} micro-batches on this rank, Megatron-LM's loop expects "
                              f"{num_microbatches}")
-        # Evaluation runs every layer at --moba-topk, as the standalone entry's evaluator does.
-        dst = dataclasses.replace(state.dst, anchor="none") if forward_only else state.dst
-        plans = pipeline_plans(lengths, state.cfg.model_shape().hidden_size, dst,
-                               None if forward_only else state.latency, state.pp,
-                               None if forward_only else state.coverage_floor, state.dp_rank,
-                               None if forward_only else state.stage_costs)
+        if rerun and state.first_run_plans is not None:
+            plans = copy.deepcopy(state.first_run_plans)
+        else:
+            # Evaluation runs every layer at --moba-topk, as the standalone entry's evaluator does.
+            dst = dataclasses.replace(state.dst, anchor="none") if forward_only else state.dst
+            plans = pipeline_plans(lengths, state.cfg.model_shape().hidden_size, dst,
+                                   None if forward_only else state.latency, state.pp,
+                                   None if forward_only else state.coverage_floor, state.dp_rank,
+                                   None if forward_only else state.stage_costs)
+            state.first_run_plans = copy.deepcopy(plans) if _reruns_enabled() else None
         plan = plans[state.dp_rank]
         plan.measure = not forward_only
         reports = forward_backward_sparsebalance(
@@ -478,19 +518,33 @@ class SparseBalanceSchedule:
         if forward_only or plan.measured is None:
             return reports
         metrics = plan.measured
-        calibrate_latency(state.latency, lengths, metrics, state.pp)
-        if state.coverage_floor is not None:
-            learn_coverage_floor(state.coverage_floor, plans, metrics, state.dst.k_base)
-        if state.cfg.sparse.sparse_attention:
-            stream.sampler.update(sample_plan, sample_plan.split_by_rank(metrics.budgets))
-        state.iteration += 1
+        if not rerun:
+            calibrate_latency(state.latency, lengths, metrics, state.pp)
+            if state.coverage_floor is not None:
+                learn_coverage_floor(state.coverage_floor, plans, metrics, state.dst.k_base)
+            if state.cfg.sparse.sparse_attention:
+                stream.sampler.update(sample_plan, sample_plan.split_by_rank(metrics.budgets))
+            state.iteration += 1
         figures = {_LOG_NAMES[k]: v for k, v in metrics.figures(state.pp).items()}
         for report in reports:
             for key, value in figures.items():
                 report[key] = torch.tensor([value], dtype=torch.float32, device=state.device)
-        if reports and state.jsonl_path:
+        if reports and state.jsonl_path and not rerun:
             _log_row(state, reports, figures)
         return reports
+
+
+def _rerunning_in_place() -> bool:
+    """Whether Megatron-LM's rerun state machine is running the current iteration a second time."""
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+    return get_rerun_state_machine().state == RerunState.RERUNNING_IN_PLACE
+
+
+def _reruns_enabled() -> bool:
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    return get_rerun_state_machine().get_mode() != RerunMode.DISABLED
 
 
 def _log_row(state: _RunState, reports, figures: dict) -> None:

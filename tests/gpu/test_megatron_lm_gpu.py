@@ -60,6 +60,7 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     (["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"],
      "--experimental-attention-variant"),
     (["--spec", "my_specs", "layer_spec"], "--spec"),
+    (["--iterations-to-skip", "3"], "--iterations-to-skip"),
 ])
 def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
     """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
@@ -155,3 +156,30 @@ def test_megatron_lm_loop_with_qk_layernorm_at_tp2_with_sequence_parallel_equals
         losses[tp] = _losses(out.stdout)
     assert len(losses[1]) == len(losses[2]) == 4, losses
     assert all(abs(a - b) <= 1e-3 * a for a, b in zip(losses[1], losses[2])), losses
+
+
+def test_megatron_lm_reruns_replay_the_global_batch_and_the_balancer_learns_once(tmp_path):
+    """Megatron-LM's rerun state machine reruns an iteration whose validated result it rejects (here
+    an injected rejection of --check-for-spiky-loss, which our loss checks as Megatron-LM's own GPT
+    loss does): the rerun gets the same global batch and plans, training continues with its
+    gradients, and the balancer learns once, so the run equals one without the rerun."""
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+
+    rows, logs = {}, {}
+    for name, inject in (("straight", []), ("rerun", ["--error-injection-rate", "1", "--error-injection-type",
+                                                        "correct_result"])):
+        save = tmp_path / name
+        argv = SHAPE + TRAINING + OURS + MEGATRON_LM + [
+            "--train-iters", "4", "--lr-decay-iters", "4", "--save", str(save), "--save-interval", "100",
+            "--check-for-spiky-loss", "--no-check-for-nan-in-loss-and-grad", *inject]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m",
+               "megatron_sparsebalance.megatron_lm", *argv]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        logs[name] = out.stdout + out.stderr
+        assert out.returncode == 0, logs[name][-6000:]
+        rows[name] = [json.loads(ln) for ln in open(save / "sparsebalance_metrics.jsonl")]
+    assert "First rerun: unexpected result is reproducible" in logs["rerun"], logs["rerun"][-6000:]
+    assert "First rerun" not in logs["straight"]
+    assert [r["iteration"] for r in rows["rerun"]] == [1, 2, 3, 4]
+    assert [r["lm_loss_hex"] for r in rows["rerun"]] == [r["lm_loss_hex"] for r in rows["straight"]]
+    assert [r["sb_mean_budget"] for r in rows["rerun"]] == [r["sb_mean_budget"] for r in rows["straight"]]
