@@ -297,6 +297,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         config = core_transformer_config_from_args(args)
     layer = get_gpt_layer_spec(_state_config(args).sparse, normalization=args.normalization,
                                qk_layernorm=getattr(args, "qk_layernorm", False),
+                               # Megatron-LM 0.19's own local spec drops --qk-l2-norm; here it is built.
+                               qk_l2_norm=getattr(args, "qk_l2_norm", False),
                                use_transformer_engine=args.transformer_impl == "transformer_engine",
                                num_query_groups=args.num_query_groups)
     spec = get_gpt_decoder_spec(config, layer)  # the local spec's block: its norms take --sequence-parallel

@@ -256,6 +256,8 @@ def test_local_spec_norms_take_sequence_parallel_and_refuse_what_torch_norms_dro
     input_norm = build_module(spec.submodules.input_layernorm, config=cfg, hidden_size=128, eps=1e-6)
     assert isinstance(q_norm, torch.nn.RMSNorm) and q_norm.weight.shape == (32,)
     assert not getattr(q_norm.weight, "sequence_parallel", False) and input_norm.weight.sequence_parallel
+    l2 = get_gpt_layer_spec(SparseAttentionConfig(), qk_l2_norm=True).submodules.self_attention.submodules
+    assert l2.q_layernorm.__name__ == "L2Norm" and l2.k_layernorm.__name__ == "L2Norm"  # --qk-l2-norm is built
     one_p = dataclasses.replace(cfg, layernorm_zero_centered_gamma=True)
     for norm in (SequenceParallelTorchNorm, HeadTorchNorm):
         with pytest.raises(ValueError, match="--apply-layernorm-1p"):

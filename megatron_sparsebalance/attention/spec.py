@@ -123,6 +123,7 @@ def get_gpt_layer_spec(
     sparse_config: Optional[SparseAttentionConfig] = None,
     normalization: str = "RMSNorm",
     qk_layernorm: bool = False,
+    qk_l2_norm: bool = False,
     use_transformer_engine: bool = False,
     num_query_groups: Optional[int] = None,
 ) -> ModuleSpec:
@@ -133,7 +134,7 @@ def get_gpt_layer_spec(
     if use_transformer_engine and not HAVE_TE:
         raise ValueError("use_transformer_engine=True but Transformer Engine is not installed")
     if use_transformer_engine:
-        base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        base = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, qk_l2_norm=qk_l2_norm)
     else:
-        base = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+        base = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm)
     return patch_layer_spec(base, sparse_config or SparseAttentionConfig(), num_query_groups)

@@ -109,26 +109,30 @@ torch.distributed.init_process_group("nccl")
 torch.cuda.set_device(0)
 parallel_state.initialize_model_parallel()
 tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-rope = model_provider().rotary_pos_emb
+model = model_provider()
+rope = model.rotary_pos_emb
 expect = RotaryEmbedding(args.kv_channels, 1.0, seq_len_interpolation_factor=4, rotary_base=args.rotary_base,
                          rope_scaling=True, rope_scaling_factor=16.0)
 print("ROPE", rope.seq_len_interpolation_factor, torch.equal(rope.inv_freq, expect.inv_freq))
+print("QK", type(model.decoder.layers[0].self_attention.q_layernorm).__name__)
 """
 
 
-def test_megatron_lm_rope_flags_reach_the_model():
-    """--rotary-seq-len-interpolation-factor and --rope-scaling-factor (with --use-rope-scaling) are
-    the model's: Megatron-LM 0.19's own GPT builder keeps the default factor 8."""
+def test_megatron_lm_rope_and_qk_norm_flags_reach_the_model():
+    """--rotary-seq-len-interpolation-factor, --rope-scaling-factor (with --use-rope-scaling) and
+    --qk-l2-norm are the model's: Megatron-LM 0.19's own GPT builder keeps the default factor 8,
+    and its local spec drops --qk-l2-norm."""
     from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
 
     argv = SHAPE + TRAINING + OURS + MEGATRON_LM + [
         "--train-iters", "2", "--rotary-seq-len-interpolation-factor", "4", "--use-rope-scaling",
-        "--rope-scaling-factor", "16"]
+        "--rope-scaling-factor", "16", "--qk-l2-norm"]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0"}
     out = subprocess.run([sys.executable, "-c", ROPE_PROBE, *argv], capture_output=True, text=True, timeout=300,
                          env=env)
     assert out.returncode == 0 and "ROPE 4 True" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "QK L2Norm" in out.stdout, out.stdout[-2000:]
 
 
 def _losses(stdout: str) -> list:
