@@ -100,10 +100,15 @@ def config_from_megatron_args(args) -> SparseBalanceConfig:
         if name == "model":
             continue
         setattr(cfg, name, _from_args(cls, args))
-    cfg.data = _from_args(GROUPS["data"], args, data_path=_single_path(args, "data_path"),
-                          valid_data_path=_single_path(args, "valid_data_path"),
-                          mock_vocab_size=min(args.mock_vocab_size or MOCK_VOCAB_SIZE, args.padded_vocab_size),
-                          **_token_source(args))
+    # Megatron-LM takes the training data from --data-path (split by --split) or, per split, from
+    # --train-data-path, all of it for training (validation then from --valid-data-path); it asserts
+    # one of the two.
+    paths = dict(data_path=_single_path(args, "data_path"), valid_data_path=_single_path(args, "valid_data_path"))
+    train_data_path = _single_path(args, "train_data_path")
+    if train_data_path:
+        paths.update(data_path=train_data_path, split=None)
+    cfg.data = _from_args(GROUPS["data"], args, **paths, **_token_source(args),
+                          mock_vocab_size=min(args.mock_vocab_size or MOCK_VOCAB_SIZE, args.padded_vocab_size))
     # Megatron-LM has already loaded --use-checkpoint-args into args: the shape is args'. Two of
     # its flags store under another name than the flag's (--norm-epsilon, --disable-bias-linear).
     cfg.model = _from_args(GROUPS["model"], args, model=None, vocab_size=args.padded_vocab_size,
@@ -124,7 +129,7 @@ def _token_source(args) -> dict:
     """
     if args.tokenizer_type is None or args.tokenizer_type in TOKENIZER_TYPES:
         return {}
-    paths = [p for name in ("data_path", "valid_data_path") for p in (getattr(args, name, None) or [])]
+    paths = [p for name in ("data_path", "train_data_path", "valid_data_path") for p in (getattr(args, name, None) or [])]
     if not getattr(args, "mock_data", False) and any(str(p).endswith(".jsonl") for p in paths):
         raise ValueError(f"--tokenizer-type {args.tokenizer_type} with .jsonl text: SparseBalance tokenizes text "
                          "with a Hugging Face tokenizer (--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR); "
@@ -179,6 +184,18 @@ def _refuse_what_we_cannot_run(args) -> None:
          f"--experimental-attention-variant {getattr(args, 'experimental_attention_variant', None)}: its layers "
          "(gated delta net, DeepSeek sparse attention) are not built; every layer is megatron-core's GPT layer "
          "with the sparse core attention"),
+        (bool(getattr(args, "test_data_path", None)),
+         "--test-data-path: SparseBalance builds training and validation streams; there is no test split"),
+        (getattr(args, "data_args_path", None) is not None or getattr(args, "per_split_data_args_path", None) is not None,
+         "--data-args-path / --per-split-data-args-path: give the data as --data-path (or --train-data-path and "
+         "--valid-data-path), one dataset each"),
+        (getattr(args, "sft", False), "--sft: SparseBalance's data is pretraining data (every token a target); "
+                                     "Megatron-LM's SFT dataset and its prompt masking are not built"),
+        (getattr(args, "fim_data", False), "--fim-data: Megatron-LM's fill-in-the-middle dataset is not built; "
+                                           "SparseBalance reads the documents as they are"),
+        (getattr(args, "full_validation", False) or getattr(args, "multiple_validation_sets", False),
+         "--full-validation / --multiple-validation-sets: SparseBalance validates on one stream of --eval-iters "
+         "global batches"),
         (getattr(args, "spec", None) is not None,
          "--spec: the layer spec is ours (megatron-core's GPT layer with the sparse core attention in its "
          "core_attention slot); a spec of your own would not be built: drop --spec"),

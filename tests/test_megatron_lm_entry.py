@@ -73,7 +73,12 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(spec=["my_specs", "layer_spec"]), "--spec"),
                          (dict(window_size=(64, 0), window_attn_skip_freq=4), r"--window-size \(64, 0\) \(layer 1\)"),
                          (dict(softmax_type="learnable"), "--softmax-type learnable"),
-                         (dict(layernorm_zero_centered_gamma=True), "--apply-layernorm-1p")):
+                         (dict(layernorm_zero_centered_gamma=True), "--apply-layernorm-1p"),
+                         (dict(test_data_path=["test_docs"]), "--test-data-path"),
+                         (dict(data_args_path="paths.txt"), "--data-args-path"),
+                         (dict(sft=True), "--sft"),
+                         (dict(fim_data=True), "--fim-data"),
+                         (dict(multiple_validation_sets=True), "--multiple-validation-sets")):
         with pytest.raises(ValueError, match=flag):
             _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, **change}))
 

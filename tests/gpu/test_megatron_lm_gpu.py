@@ -61,6 +61,8 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
      "--experimental-attention-variant"),
     (["--spec", "my_specs", "layer_spec"], "--spec"),
     (["--iterations-to-skip", "3"], "--iterations-to-skip"),
+    (["--sft"], "--sft"),
+    (["--full-validation"], "--full-validation"),
 ])
 def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
     """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
@@ -97,6 +99,20 @@ def test_megatron_lm_loop_on_token_files_masks_its_tokenizers_eod_and_evaluates_
     assert len([ln for ln in out.stdout.splitlines() if " iteration " in ln and "lm loss:" in ln]) == 2
     assert " validation loss at " in out.stdout, out.stdout[-4000:]
 
+
+
+def test_megatron_lm_per_split_data_paths_are_read_as_megatron_lm_reads_them():
+    """--train-data-path (Megatron-LM's per-split data): all of it trains, --valid-data-path validates,
+    --split does not apply."""
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, SHAPE, TRAINING
+
+    ours = "--dst-anchor mean --dst-p 0.1 --batching sab --moba-block-size 128 --moba-topk 8".split()
+    argv = SHAPE + TRAINING + ours + MEGATRON_LM + ["--train-iters", "2", "--train-data-path", "train_docs",
+                                                    "--valid-data-path", "valid_docs", "--split", "90,10,0"]
+    probe = ("import sys; from megatron_sparsebalance.megatron_lm import checked_config, parse_megatron_args; "
+             "d = checked_config(parse_megatron_args(sys.argv[1:])).data; print('DATA', d.data_path, d.valid_data_path, d.split)")
+    out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "DATA train_docs valid_docs None" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
 
 ROPE_PROBE = """
 import sys, torch
