@@ -196,6 +196,11 @@ def _refuse_what_we_cannot_run(args) -> None:
         (getattr(args, "full_validation", False) or getattr(args, "multiple_validation_sets", False),
          "--full-validation / --multiple-validation-sets: SparseBalance validates on one stream of --eval-iters "
          "global batches"),
+        (getattr(args, "cuda_graph_impl", "none") not in (None, "none") or getattr(args, "enable_cuda_graph", False)
+         or getattr(args, "external_cuda_graph", False),
+         f"--cuda-graph-impl {getattr(args, 'cuda_graph_impl', None)} (or --enable-cuda-graph / "
+         "--external-cuda-graph): a CUDA graph replays one capture of a layer, while the sparse core attention "
+         "decides on the host for each micro-batch (its packing, DST's budget); use --cuda-graph-impl none"),
         (getattr(args, "spec", None) is not None,
          "--spec: the layer spec is ours (megatron-core's GPT layer with the sparse core attention in its "
          "core_attention slot); a spec of your own would not be built: drop --spec"),

@@ -78,7 +78,9 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(data_args_path="paths.txt"), "--data-args-path"),
                          (dict(sft=True), "--sft"),
                          (dict(fim_data=True), "--fim-data"),
-                         (dict(multiple_validation_sets=True), "--multiple-validation-sets")):
+                         (dict(multiple_validation_sets=True), "--multiple-validation-sets"),
+                         (dict(cuda_graph_impl="local"), "--cuda-graph-impl local"),
+                         (dict(enable_cuda_graph=True), "--enable-cuda-graph")):
         with pytest.raises(ValueError, match=flag):
             _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, **change}))
 

@@ -63,6 +63,7 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     (["--iterations-to-skip", "3"], "--iterations-to-skip"),
     (["--sft"], "--sft"),
     (["--full-validation"], "--full-validation"),
+    (["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
 ])
 def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
     """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
