@@ -37,6 +37,7 @@ import copy
 import dataclasses
 import os
 import sys
+from functools import partial
 from typing import Optional
 
 import torch
@@ -348,8 +349,6 @@ def _validate_loss(loss: torch.Tensor) -> None:
     (fatal; on by default, off with --no-check-for-nan-in-loss-and-grad) and --check-for-spiky-loss
     (not fatal). The machine reruns a rejected iteration to tell a transient fault from a
     reproducible result (SparseBalanceSchedule replays the same batch for it)."""
-    from functools import partial
-
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     from megatron.training import get_args
 
@@ -515,10 +514,10 @@ class SparseBalanceSchedule:
         if not isinstance(stream, GlobalBatchStream):
             raise TypeError(f"SparseBalanceSchedule needs megatron_lm.datasets_provider's stream, got {type(stream)}")
         state = _STATE
-        # A rerun of this iteration (Megatron-LM's rerun state machine: a rejected loss or gradient,
-        # or --rerun-mode report_stats) must compute what the first run computed: the wrapper replays
-        # the global batch, the first run's plans are run again, and the balancer, which learned from
-        # the first run, does not learn twice.
+        # A rerun of this iteration (Megatron-LM's rerun state machine, after it rejected a loss or a
+        # gradient) must compute what the first run computed: the wrapper replays the global batch,
+        # the first run's plans are run again, and the balancer, which learned from the first run,
+        # does not learn twice.
         rerun = _rerunning_in_place()
         sample_plan, lengths, batches = next(data_iterator)
         if not state.cfg.batching.variable_micro_batches and len(batches) != num_microbatches:

@@ -101,7 +101,6 @@ def test_megatron_lm_loop_on_token_files_masks_its_tokenizers_eod_and_evaluates_
     assert " validation loss at " in out.stdout, out.stdout[-4000:]
 
 
-
 def test_megatron_lm_per_split_data_paths_are_read_as_megatron_lm_reads_them():
     """--train-data-path (Megatron-LM's per-split data): all of it trains, --valid-data-path validates,
     --split does not apply."""
@@ -115,7 +114,8 @@ def test_megatron_lm_per_split_data_paths_are_read_as_megatron_lm_reads_them():
     out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "DATA train_docs valid_docs None" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
 
-ROPE_PROBE = """
+
+MODEL_PROBE = """
 import sys, torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -146,7 +146,7 @@ def test_megatron_lm_rope_and_qk_norm_flags_reach_the_model():
         "--rope-scaling-factor", "16", "--qk-l2-norm"]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0"}
-    out = subprocess.run([sys.executable, "-c", ROPE_PROBE, *argv], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-c", MODEL_PROBE, *argv], capture_output=True, text=True, timeout=300,
                          env=env)
     assert out.returncode == 0 and "ROPE 4 True" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
     assert "QK L2Norm" in out.stdout, out.stdout[-2000:]
