@@ -16,7 +16,8 @@ What changed between them, and where it matters to us:
   (:func:`optimizer_sharded_state_dict`, :func:`optimizer_state_reshards_over_tp_pp`).
 - Not a version difference but megatron-core's own, 0.16 to 0.19: its distributed optimizer over
   torch's Adam (no Transformer Engine, no apex) cannot load a checkpoint into a fresh optimizer, and
-  after loading holds a wrong, shared ``step`` (:func:`prepare_optimizer_for_load`, :func:`finish_optimizer_load`).
+  after loading holds a wrong, shared ``step`` (:func:`prepare_optimizer_for_load`, :func:`finish_optimizer_load`;
+  around Megatron-LM's own loader, :func:`mend_optimizer_loading`).
 - ``initialize_model_parallel`` gained positional parameters after ``expert_model_parallel_size``
   in 0.19: :func:`initialize_model_parallel` passes keywords only.
 - ``megatron.training`` exists from 0.19's wheel on (:data:`HAVE_MEGATRON_TRAINING`); its
@@ -209,6 +210,34 @@ def finish_optimizer_load(optimizer, state_dict) -> None:
         restore_adam_steps(part.optimizer, steps.pop())
 
 
+def mend_optimizer_loading(optimizer):
+    """``optimizer`` with :func:`prepare_optimizer_for_load` and :func:`finish_optimizer_load` around
+    its own two loading calls, for a loader that is not ours: Megatron-LM's ``load_checkpoint``
+    asks ``optimizer.sharded_state_dict(..., is_loading=True)`` for what to load, then calls
+    ``optimizer.load_state_dict(...)``. Without it, Megatron-LM's own loop over torch's Adam (no
+    Transformer Engine, no apex) stops at the first call's ``step`` assertion when it resumes, and
+    would restart Adam's bias correction after the second. Returned as it is where neither fault
+    can occur."""
+    if not _distributed_optimizers_over_torch_adam(optimizer):
+        return optimizer
+    sharded_state_dict, load_state_dict = optimizer.sharded_state_dict, optimizer.load_state_dict
+
+    @functools.wraps(sharded_state_dict)
+    def sharded_state_dict_ready_to_load(*args, **kwargs):
+        if kwargs.get("is_loading", False):
+            prepare_optimizer_for_load(optimizer)
+        return sharded_state_dict(*args, **kwargs)
+
+    @functools.wraps(load_state_dict)
+    def load_state_dict_with_steps(state_dict):
+        load_state_dict(state_dict)
+        finish_optimizer_load(optimizer, state_dict)
+
+    optimizer.sharded_state_dict = sharded_state_dict_ready_to_load
+    optimizer.load_state_dict = load_state_dict_with_steps
+    return optimizer
+
+
 def optimizer_state_reshards_over_tp_pp(optimizer) -> bool:
     """Whether ``optimizer``'s checkpointed state loads at another TP or PP size (see above)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -279,5 +308,7 @@ def use_prebuilt_dataset_helpers() -> None:
 
 
 __all__ = ["HAVE_MEGATRON_TRAINING", "MEGATRON_CORE", "MEGATRON_CORE_VERSION", "fill_empty_adam_state",
-           "finish_optimizer_load", "initialize_model_parallel", "optimizer_sharded_state_dict", "prepare_optimizer_for_load",
-           "optimizer_state_reshards_over_tp_pp", "restore_adam_steps", "replica_local_process_groups", "torch_dist_save_strategy", "use_prebuilt_dataset_helpers"]
+           "finish_optimizer_load", "initialize_model_parallel", "mend_optimizer_loading",
+           "optimizer_sharded_state_dict", "optimizer_state_reshards_over_tp_pp", "prepare_optimizer_for_load",
+           "replica_local_process_groups", "restore_adam_steps", "torch_dist_save_strategy",
+           "use_prebuilt_dataset_helpers"]

@@ -37,7 +37,7 @@ import copy
 import dataclasses
 import os
 import sys
-from functools import partial
+from functools import partial, wraps
 from typing import Optional
 
 import torch
@@ -442,7 +442,7 @@ class _RunState:
             self.valid = stream(build_validation_dataset(cfg.data, args.eval_iters * args.global_batch_size, eod=eod),
                                 cfg.data.seed)
         self.iteration = args.iteration  # training global batches run so far (resumed: the checkpoint's)
-        self.first_run_plans = None  # the current iteration's plans, for a rerun of it (SparseBalanceSchedule)
+        self.first_run_plan = None  # this rank's plan of the current iteration, for a rerun of it (SparseBalanceSchedule)
         # Our figures and the exact loss of every iteration, one JSON row each (the last pipeline
         # stage's first DP rank writes): beside the checkpoints, else the TensorBoard logs.
         log_dir = args.save or args.tensorboard_dir
@@ -523,8 +523,8 @@ class SparseBalanceSchedule:
         if not state.cfg.batching.variable_micro_batches and len(batches) != num_microbatches:
             raise ValueError(f"SAB planned {len(batches)} micro-batches on this rank, Megatron-LM's loop expects "
                              f"{num_microbatches}")
-        if rerun and state.first_run_plans is not None:
-            plans = copy.deepcopy(state.first_run_plans)
+        if rerun and state.first_run_plan is not None:
+            plans, plan = None, copy.deepcopy(state.first_run_plan)  # a rerun does not learn: this rank's plan will do
         else:
             # Evaluation runs every layer at --moba-topk, as the standalone entry's evaluator does.
             dst = dataclasses.replace(state.dst, anchor="none") if forward_only else state.dst
@@ -532,8 +532,8 @@ class SparseBalanceSchedule:
                                    None if forward_only else state.latency, state.pp,
                                    None if forward_only else state.coverage_floor, state.dp_rank,
                                    None if forward_only else state.stage_costs)
-            state.first_run_plans = copy.deepcopy(plans) if _reruns_enabled() else None
-        plan = plans[state.dp_rank]
+            plan = plans[state.dp_rank]
+            state.first_run_plan = copy.deepcopy(plan) if _reruns_enabled() else None
         plan.measure = not forward_only
         reports = forward_backward_sparsebalance(
             forward_step_func=forward_step_func, data_iterator=iter([b.to(state.device) for b in batches]),
@@ -613,7 +613,7 @@ def install() -> None:
                            "python -m megatron_sparsebalance.pretrain")
     from megatron.training import training
 
-    from megatron_sparsebalance.compat import use_prebuilt_dataset_helpers
+    from megatron_sparsebalance.compat import mend_optimizer_loading, use_prebuilt_dataset_helpers
 
     if getattr(training, _MARKER, False):
         return
@@ -621,6 +621,11 @@ def install() -> None:
     schedule = SparseBalanceSchedule()
     training.get_forward_backward_func = lambda *args, **kwargs: schedule
     training.save_checkpoint = _save_with_our_state(training.save_checkpoint)
+    # --use-distributed-optimizer over torch's Adam (no Transformer Engine, no apex) cannot resume
+    # through Megatron-LM's load_checkpoint as megatron-core ships it (compat.mend_optimizer_loading).
+    get_megatron_optimizer = training.get_megatron_optimizer
+    training.get_megatron_optimizer = wraps(get_megatron_optimizer)(
+        lambda *args, **kwargs: mend_optimizer_loading(get_megatron_optimizer(*args, **kwargs)))
     setattr(training, _MARKER, True)
 
 

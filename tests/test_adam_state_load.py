@@ -1,11 +1,13 @@
 """megatron-core's distributed optimizer over torch's Adam, loaded from a checkpoint
-(megatron_sparsebalance/compat.py: fill_empty_adam_state, restore_adam_steps). The distributed
-optimizer itself needs CUDA (tests/gpu/test_megatron_flags_gpu.py resumes it); here, the inner
-torch Adam in the states that its load_state_dict leaves."""
+(megatron_sparsebalance/compat.py: fill_empty_adam_state, restore_adam_steps, and
+mend_optimizer_loading around Megatron-LM's loader). The distributed optimizer itself needs CUDA
+(tests/gpu/test_megatron_flags_gpu.py and test_megatron_lm_gpu.py resume it); here, the inner torch
+Adam in the states that its load_state_dict leaves, and the order of the mends around a loader."""
 import copy
 
 import torch
 
+from megatron_sparsebalance import compat
 from megatron_sparsebalance.compat import fill_empty_adam_state, restore_adam_steps
 
 
@@ -72,3 +74,39 @@ def test_the_checkpoints_step_is_restored_per_parameter_so_resumed_steps_match()
     # bias correction, and with it the update, differ.
     assert {float(s["step"]) for s in broken.state.values()} == {2.0}
     assert not all(torch.equal(p, q) for p, q in zip(params, broken_params))
+
+
+class _RecordingOptimizer:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
+        self.calls.append(("sharded_state_dict", is_loading))
+        return {"request": is_loading}
+
+    def load_state_dict(self, state_dict):
+        self.calls.append(("load_state_dict", state_dict))
+
+
+def test_megatron_lms_loader_gets_the_state_filled_before_its_request_and_the_steps_after_its_load(monkeypatch):
+    """Megatron-LM's load_checkpoint asks sharded_state_dict(..., is_loading=True), then calls
+    load_state_dict: the fill must come before the request (whose own state_dict() asserts one step),
+    the steps after the load; a save's request is left alone."""
+    calls = []
+    monkeypatch.setattr(compat, "_distributed_optimizers_over_torch_adam", lambda optimizer: [(0, optimizer)])
+    monkeypatch.setattr(compat, "prepare_optimizer_for_load", lambda optimizer: calls.append(("fill", optimizer)))
+    monkeypatch.setattr(compat, "finish_optimizer_load", lambda optimizer, sd: calls.append(("steps", optimizer, sd)))
+    optimizer = _RecordingOptimizer(calls)
+    assert compat.mend_optimizer_loading(optimizer) is optimizer
+    assert optimizer.sharded_state_dict({}, metadata={}) == {"request": False}  # a save
+    assert optimizer.sharded_state_dict({}, is_loading=True, metadata={}) == {"request": True}
+    optimizer.load_state_dict({"optimizer": 1})
+    assert calls == [("sharded_state_dict", False), ("fill", optimizer), ("sharded_state_dict", True),
+                     ("load_state_dict", {"optimizer": 1}), ("steps", optimizer, {"optimizer": 1})]
+
+
+def test_an_optimizer_without_the_faults_is_not_wrapped(monkeypatch):
+    monkeypatch.setattr(compat, "_distributed_optimizers_over_torch_adam", lambda optimizer: [])
+    optimizer = _RecordingOptimizer([])
+    compat.mend_optimizer_loading(optimizer)
+    assert "sharded_state_dict" not in vars(optimizer) and "load_state_dict" not in vars(optimizer)

@@ -236,8 +236,7 @@ def test_max_logit_flags_are_refused_as_megatron_lm_arguments_name_them():
 def test_local_spec_norms_take_sequence_parallel_and_refuse_what_torch_norms_drop():
     """The q/k norms of --qk-layernorm build under --sequence-parallel (megatron-core's
     WrappedTorchNorm asserts there) and are not marked sequence_parallel: they see whole sequences,
-    and megatron-core sums their gradients over TP by name. --apply-layernorm-1p is refused by
-    name where torch's norms would drop it."""
+    and megatron-core sums their gradients over TP by name."""
     import dataclasses
 
     from megatron.core.transformer.spec_utils import build_module
@@ -258,7 +257,44 @@ def test_local_spec_norms_take_sequence_parallel_and_refuse_what_torch_norms_dro
     assert not getattr(q_norm.weight, "sequence_parallel", False) and input_norm.weight.sequence_parallel
     l2 = get_gpt_layer_spec(SparseAttentionConfig(), qk_l2_norm=True).submodules.self_attention.submodules
     assert l2.q_layernorm.__name__ == "L2Norm" and l2.k_layernorm.__name__ == "L2Norm"  # --qk-l2-norm is built
-    one_p = dataclasses.replace(cfg, layernorm_zero_centered_gamma=True)
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_apply_layernorm_1p_norms_hold_gamma_minus_one_and_compute_the_same_function(normalization):
+    """--apply-layernorm-1p (megatron-core asserts against it in its torch norm): every norm the
+    local spec builds starts with weights of zeros and scales by 1 + weight, so it computes, with
+    the same gradients, what the plain norm computes with weight + 1."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_sparsebalance.attention.spec import HeadTorchNorm, SequenceParallelTorchNorm
+
+    plain_cfg = dataclasses.replace(transformer_config(MODEL_PRESETS["tiny"]), normalization=normalization)
+    one_p_cfg = dataclasses.replace(plain_cfg, layernorm_zero_centered_gamma=True)
+    torch.manual_seed(0)
+    x = torch.randn(6, 32)
     for norm in (SequenceParallelTorchNorm, HeadTorchNorm):
-        with pytest.raises(ValueError, match="--apply-layernorm-1p"):
-            build_module(norm, config=one_p, hidden_size=32, eps=1e-6)
+        one_p = build_module(norm, config=one_p_cfg, hidden_size=32, eps=1e-6)
+        plain = build_module(norm, config=plain_cfg, hidden_size=32, eps=1e-6)
+        assert torch.equal(one_p.weight, torch.zeros(32)) and torch.equal(plain.weight, torch.ones(32))
+        with torch.no_grad():
+            one_p.weight.normal_()
+            plain.weight.copy_(one_p.weight + 1)
+            for a, b in zip(one_p.parameters(), plain.parameters()):
+                if a is not one_p.weight:
+                    b.copy_(a.normal_())  # LayerNorm's bias
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y1, y2 = one_p(x1), plain(x2)
+        torch.testing.assert_close(y1, y2, rtol=1e-6, atol=1e-6)
+        g = torch.randn_like(y1)
+        y1.backward(g)
+        y2.backward(g)
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-6)
+        for a, b in zip(one_p.parameters(), plain.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+    # The whole model: every norm of a 1p model (input, pre-MLP, final) starts at zeros.
+    model = build_gpt_model(MODEL_PRESETS["tiny"], SparseAttentionConfig(), one_p_cfg, 256)
+    norm_weights = [p for n, p in model.named_parameters() if "layernorm" in n and n.endswith(".weight")]
+    assert len(norm_weights) == 2 * MODEL_PRESETS["tiny"].num_layers + 1
+    assert all(torch.count_nonzero(w) == 0 for w in norm_weights)

@@ -51,9 +51,10 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
     _refuse_what_we_cannot_run(SimpleNamespace(**fine))
     # Every layer is checked: a --window-attn-skip-freq pattern that makes each layer full attention uses no window.
     _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, "window_size": (64, 0), "window_attn_skip_freq": [0] * 4}))
-    # Transformer Engine's norms centre gamma; the local spec's torch norms do not.
-    _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, "layernorm_zero_centered_gamma": True,
-                                                   "transformer_impl": "transformer_engine"}))
+    # --apply-layernorm-1p: Transformer Engine's norms centre gamma, and so do the local spec's (ours).
+    for impl in ("transformer_engine", "local"):
+        _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, "layernorm_zero_centered_gamma": True,
+                                                       "transformer_impl": impl}))
     for change, flag in ((dict(virtual_pipeline_model_parallel_size=2), "--num-layers-per-virtual-pipeline-stage"),
                          (dict(context_parallel_size=2), "--context-parallel-size"),
                          (dict(dataloader_type="cyclic"), "--dataloader-type cyclic"),
@@ -73,7 +74,6 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(spec=["my_specs", "layer_spec"]), "--spec"),
                          (dict(window_size=(64, 0), window_attn_skip_freq=4), r"--window-size \(64, 0\) \(layer 1\)"),
                          (dict(softmax_type="learnable"), "--softmax-type learnable"),
-                         (dict(layernorm_zero_centered_gamma=True), "--apply-layernorm-1p"),
                          (dict(test_data_path=["test_docs"]), "--test-data-path"),
                          (dict(data_args_path="paths.txt"), "--data-args-path"),
                          (dict(sft=True), "--sft"),

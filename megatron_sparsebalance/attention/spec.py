@@ -35,10 +35,6 @@ def refuse_unbuilt_norm(config) -> None:
     """Norm settings that megatron-core's ``WrappedTorchNorm`` refuses (by assertion, while building
     the model) and that our torch norms, which replace it in the local spec, would drop: refused by
     flag name. ``config``: a ``TransformerConfig``, or Megatron-LM's arguments (same field names)."""
-    if getattr(config, "layernorm_zero_centered_gamma", False):
-        raise ValueError("--apply-layernorm-1p: torch's RMSNorm and LayerNorm, which the local layer spec builds, "
-                         "keep gamma as it is (not centred on 0); use --transformer-impl transformer_engine where "
-                         "Transformer Engine is installed, or drop the flag")
     if getattr(config, "memory_efficient_layer_norm", False):
         raise ValueError("memory_efficient_layer_norm is apex's layer norm; the local layer spec builds torch's")
     normalization = getattr(config, "normalization", "LayerNorm")
@@ -46,9 +42,41 @@ def refuse_unbuilt_norm(config) -> None:
         raise ValueError(f"--normalization must be RMSNorm or LayerNorm, got {normalization!r}")
 
 
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """``--apply-layernorm-1p`` (megatron-core's ``layernorm_zero_centered_gamma``): the weight holds
+    gamma - 1, starts at zeros, and the norm scales by 1 + weight, so weight decay pulls gamma
+    towards 1. megatron-core has this only in apex's and Transformer Engine's norms (its torch
+    norm asserts against it), and neither installs on our machines: written here on torch's."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm under ``--apply-layernorm-1p`` (as :class:`ZeroCenteredLayerNorm`; Transformer
+    Engine's RMSNorm takes the flag too)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 def _torch_norm(config: TransformerConfig, hidden_size: int, eps: float) -> torch.nn.Module:
     refuse_unbuilt_norm(config)
-    norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+    rms = config.normalization == "RMSNorm"
+    if config.layernorm_zero_centered_gamma:
+        norm_cls = ZeroCenteredRMSNorm if rms else ZeroCenteredLayerNorm
+    else:
+        norm_cls = torch.nn.RMSNorm if rms else torch.nn.LayerNorm
     return norm_cls(normalized_shape=hidden_size, eps=eps)
 
 

@@ -56,7 +56,6 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     (["--position-embedding-type", "yarn"], "--position-embedding-type yarn"),
     (["--window-size", "256,0"], r"--window-size \(256, 0\) \(layer 1\)"),
     (["--softmax-type", "learnable"], "--softmax-type learnable"),
-    (["--apply-layernorm-1p"], "--apply-layernorm-1p"),
     (["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"],
      "--experimental-attention-variant"),
     (["--spec", "my_specs", "layer_spec"], "--spec"),
@@ -132,24 +131,27 @@ expect = RotaryEmbedding(args.kv_channels, 1.0, seq_len_interpolation_factor=4, 
                          rope_scaling=True, rope_scaling_factor=16.0)
 print("ROPE", rope.seq_len_interpolation_factor, torch.equal(rope.inv_freq, expect.inv_freq))
 print("QK", type(model.decoder.layers[0].self_attention.q_layernorm).__name__)
+norms = [model.decoder.layers[0].input_layernorm, model.decoder.layers[0].pre_mlp_layernorm, model.decoder.final_layernorm]
+print("NORM", *sorted({type(n).__name__ for n in norms}), all(torch.count_nonzero(n.weight) == 0 for n in norms))
 """
 
 
-def test_megatron_lm_rope_and_qk_norm_flags_reach_the_model():
-    """--rotary-seq-len-interpolation-factor, --rope-scaling-factor (with --use-rope-scaling) and
-    --qk-l2-norm are the model's: Megatron-LM 0.19's own GPT builder keeps the default factor 8,
-    and its local spec drops --qk-l2-norm."""
+def test_megatron_lm_rope_and_norm_flags_reach_the_model():
+    """--rotary-seq-len-interpolation-factor, --rope-scaling-factor (with --use-rope-scaling),
+    --qk-l2-norm and --apply-layernorm-1p are the model's: Megatron-LM 0.19's own GPT builder keeps
+    the default factor 8, its local spec drops --qk-l2-norm, and its torch norms refuse 1p."""
     from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
 
     argv = SHAPE + TRAINING + OURS + MEGATRON_LM + [
         "--train-iters", "2", "--rotary-seq-len-interpolation-factor", "4", "--use-rope-scaling",
-        "--rope-scaling-factor", "16", "--qk-l2-norm"]
+        "--rope-scaling-factor", "16", "--qk-l2-norm", "--apply-layernorm-1p"]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0"}
     out = subprocess.run([sys.executable, "-c", MODEL_PROBE, *argv], capture_output=True, text=True, timeout=300,
                          env=env)
     assert out.returncode == 0 and "ROPE 4 True" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
     assert "QK L2Norm" in out.stdout, out.stdout[-2000:]
+    assert "NORM ZeroCenteredRMSNorm True" in out.stdout, out.stdout[-2000:]  # SHAPE's --normalization RMSNorm
 
 
 def _losses(stdout: str) -> list:
@@ -204,3 +206,33 @@ def test_megatron_lm_reruns_replay_the_global_batch_and_the_balancer_learns_once
     assert [r["iteration"] for r in rows["rerun"]] == [1, 2, 3, 4]
     assert [r["lm_loss_hex"] for r in rows["rerun"]] == [r["lm_loss_hex"] for r in rows["straight"]]
     assert [r["sb_mean_budget"] for r in rows["rerun"]] == [r["sb_mean_budget"] for r in rows["straight"]]
+
+
+def test_megatron_lm_resumes_the_distributed_optimizer_bit_for_bit(tmp_path):
+    """--use-distributed-optimizer (with --overlap-grad-reduce and --overlap-param-gather, as
+    Megatron-LM's Llama scripts run it) saved by Megatron-LM's loop and resumed by its own
+    load_checkpoint: over torch's Adam (no Transformer Engine, no apex) the resume stopped at
+    megatron-core's step assertion, and would have restarted Adam's bias correction
+    (compat.mend_optimizer_loading). The resumed iterations equal the straight run's to the bit."""
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+
+    dp = min(torch.cuda.device_count(), 2)
+    common = SHAPE + TRAINING + OURS + MEGATRON_LM + [
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--train-iters", "4", "--lr-decay-iters", "4", "--save-interval", "100"]
+
+    def run(save, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(dp), "-m",
+               "megatron_sparsebalance.megatron_lm", *common, "--save", str(save), *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        return out.stdout
+
+    run(tmp_path / "straight")
+    run(tmp_path / "halves", "--exit-interval", "2")
+    resumed = run(tmp_path / "halves", "--load", str(tmp_path / "halves"))
+    assert "successfully loaded checkpoint" in resumed, resumed[-4000:]
+    rows = {name: [json.loads(ln) for ln in open(tmp_path / name / "sparsebalance_metrics.jsonl")]
+            for name in ("straight", "halves")}
+    assert [r["iteration"] for r in rows["halves"]] == [1, 2, 3, 4]
+    assert [r["lm_loss_hex"] for r in rows["halves"]] == [r["lm_loss_hex"] for r in rows["straight"]]
