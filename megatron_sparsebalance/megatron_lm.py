@@ -170,6 +170,8 @@ def _refuse_what_we_cannot_run(args) -> None:
     backend = getattr(args, "attention_backend", None)
     refuse_attention_backend(getattr(backend, "name", backend))  # Megatron-LM's AttnBackend enum
     refuse_position_embedding(getattr(args, "position_embedding_type", None))
+    low_precision = next((f"--{name}-format {getattr(args, name)}" for name in ("fp8", "fp4")
+                          if getattr(args, name, None)), None)
     checks = (
         (bool(getattr(args, "num_experts", None)),
          "--num-experts: mixture-of-experts layers are not built with the sparse core attention (its layer spec "
@@ -202,6 +204,13 @@ def _refuse_what_we_cannot_run(args) -> None:
          f"--cuda-graph-impl {getattr(args, 'cuda_graph_impl', None)} (or --enable-cuda-graph / "
          "--external-cuda-graph): a CUDA graph replays one capture of a layer, while the sparse core attention "
          "decides on the host for each micro-batch (its packing, DST's budget); use --cuda-graph-impl none"),
+        (getattr(args, "transformer_impl", "local") == "inference_optimized",
+         "--transformer-impl inference_optimized: megatron-core's inference layers are not built for training; "
+         "use local or transformer_engine"),
+        (low_precision is not None and getattr(args, "transformer_impl", "local") != "transformer_engine",
+         f"{low_precision}: FP8 and FP4 run in Transformer Engine's layers (megatron-core's FP8 context does "
+         "nothing without them), so the local layer spec would train in bf16; use --transformer-impl "
+         "transformer_engine where Transformer Engine is installed, or drop the flag"),
         (getattr(args, "spec", None) is not None,
          "--spec: the layer spec is ours (megatron-core's GPT layer with the sparse core attention in its "
          "core_attention slot); a spec of your own would not be built: drop --spec"),

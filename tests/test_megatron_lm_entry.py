@@ -51,6 +51,8 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
     _refuse_what_we_cannot_run(SimpleNamespace(**fine))
     # Every layer is checked: a --window-attn-skip-freq pattern that makes each layer full attention uses no window.
     _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, "window_size": (64, 0), "window_attn_skip_freq": [0] * 4}))
+    # FP8 runs in Transformer Engine's layers (its linear layers; the core attention stays ours, in bf16).
+    _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, "fp8": "hybrid", "transformer_impl": "transformer_engine"}))
     # --apply-layernorm-1p: Transformer Engine's norms centre gamma, and so do the local spec's (ours).
     for impl in ("transformer_engine", "local"):
         _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, "layernorm_zero_centered_gamma": True,
@@ -74,6 +76,9 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(spec=["my_specs", "layer_spec"]), "--spec"),
                          (dict(window_size=(64, 0), window_attn_skip_freq=4), r"--window-size \(64, 0\) \(layer 1\)"),
                          (dict(softmax_type="learnable"), "--softmax-type learnable"),
+                         (dict(transformer_impl="inference_optimized"), "--transformer-impl inference_optimized"),
+                         (dict(fp8="hybrid"), "--fp8-format hybrid"),
+                         (dict(fp4="e2m1"), "--fp4-format e2m1"),
                          (dict(test_data_path=["test_docs"]), "--test-data-path"),
                          (dict(data_args_path="paths.txt"), "--data-args-path"),
                          (dict(sft=True), "--sft"),

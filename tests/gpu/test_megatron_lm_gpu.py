@@ -63,6 +63,8 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     (["--sft"], "--sft"),
     (["--full-validation"], "--full-validation"),
     (["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
+    (["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"], "--fp8-format hybrid"),
+    (["--transformer-impl", "inference_optimized"], "--transformer-impl inference_optimized"),
 ])
 def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
     """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
