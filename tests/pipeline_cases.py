@@ -54,6 +54,26 @@ def each_case(fn, cases):
             raise AssertionError(f"case {name!r} failed") from e
 
 
+class RecordingTimers:
+    """Megatron-LM's ``Timers`` as the schedule calls them: ``timers(name, log_level=...)`` then
+    ``start(barrier=...)`` / ``stop()``; records ``(name, log_level, what)``."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, name, log_level=None):
+        events = self.events
+
+        class Timer:
+            def start(self, barrier=False):
+                events.append((name, log_level, "start"))
+
+            def stop(self, barrier=False):
+                events.append((name, log_level, "stop"))
+
+        return Timer()
+
+
 def stage_key_to_full(key: str, pp_rank: int, pp: int) -> str:
     """Name of a stage model's parameter in the full model (layers are numbered per stage)."""
     if key.startswith("decoder.layers."):
@@ -82,10 +102,28 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget, ddp=False):
     lengths = lengths_per_dp[dp_rank]
     batches = micro_batches(lengths, seed + dp_rank)
     plan = PipelinePlan([MicroBatchPlan(l, budget=budget) for l in lengths], hidden_size=SHAPE.hidden_size)
+    sent = []  # each micro-batch's stage output, as the schedule holds it for the backward
+
+    def recorded_forward_step(data_iterator, model):
+        output, loss_func = forward_step(data_iterator, model)
+        sent.append(output)
+        return output, loss_func
+
+    cfg.timers = RecordingTimers()
     losses = forward_backward_sparsebalance(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+        forward_step_func=recorded_forward_step, data_iterator=iter(batches), model=[model],
         num_microbatches=len(batches), seq_length=0, micro_batch_size=1, plan=plan,
     )
+    # Megatron-LM's timers, started and stopped in pairs under megatron-core's names and levels.
+    n = len(batches)
+    assert cfg.timers.events[0] == ("forward-backward", 1, "start") and cfg.timers.events[-1][::2] == ("forward-backward", "stop")
+    for name in ("forward-compute", "backward-compute"):
+        assert [e for e in cfg.timers.events if e[0] == name] == [(name, 2, "start"), (name, None, "stop")] * n
+    # --deallocate-pipeline-outputs (transformer_config sets it, as Megatron-LM does): every output a
+    # stage sent was freed down to one value, and the gradients below still equal the reference's.
+    assert cfg.deallocate_pipeline_outputs and len(sent) == n
+    if not parallel_state.is_pipeline_last_stage():
+        assert all(y.numel() == 1 for y in sent), [tuple(y.shape) for y in sent]
     refs = torch.load(ref_path)
     ref = refs[dp_rank]
     if parallel_state.is_pipeline_last_stage():

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Optional, Union
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_sparsebalance.attention.budget import budget_scope, read_reports
@@ -55,6 +56,19 @@ class PipelinePlan:
         if sequence_parallel:
             tokens = -(-tokens // tp_size)
         return (tokens, 1, self.hidden_size)
+
+
+class _NoTimer:
+    """What a timer of Megatron-LM's does where its training loop gave none (our standalone entry)."""
+
+    def start(self, barrier: bool = False) -> None:
+        pass
+
+    def stop(self, barrier: bool = False) -> None:
+        pass
+
+
+_NO_TIMER = _NoTimer()
 
 
 def _normalized_loss(outputs, config, num_microbatches):
@@ -107,6 +121,10 @@ def forward_backward_sparsebalance(
     clock = StageClock(device)
     reports, losses = {}, []
     total_tokens = torch.zeros((), dtype=torch.int, device=device)
+    # Megatron-LM's timers (config.timers, set by its training loop) under megatron-core's names and
+    # log levels: they synchronize the device only at a --timing-log-level that prints them.
+    timer = config.timers if config.timers is not None else lambda *args, **kwargs: _NO_TIMER
+    timer("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
 
     def micro_batch_scope(i: int):
         mb = plan.micro_batches[i]
@@ -115,6 +133,7 @@ def forward_backward_sparsebalance(
     def run_forward(i: int, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
         nonlocal total_tokens
         set_input_tensor(input_tensor)
+        timer("forward-compute", log_level=2).start()
         clock.start(i, "F")
         with micro_batch_scope(i) as report:
             output, loss_func = forward_step_func(data_iterator, model)
@@ -123,19 +142,36 @@ def forward_backward_sparsebalance(
             total_tokens = total_tokens + num_tokens.to(device)
             losses.append(reduced)
         clock.stop(i, "F")
+        timer("forward-compute").stop()
         reports[i] = report  # read after the schedule: reading now would stop the host here
         return output
 
     def run_backward(i, input_tensor, output_tensor, output_grad):
+        timer("backward-compute", log_level=2).start()
         clock.start(i, "B")
         if output_grad is None and config.grad_scale_func is not None:
             output_tensor = config.grad_scale_func(output_tensor)
         # Recomputed layers (--recompute-granularity) run their forward again in here: the same
         # scope makes them route with this micro-batch's budget; their report is dropped.
         with micro_batch_scope(i):
-            torch.autograd.backward(output_tensor, grad_tensors=output_grad)
+            if config.deallocate_pipeline_outputs:
+                custom_backward(output_tensor, output_grad)  # takes a pseudo-freed output (below)
+            else:
+                torch.autograd.backward(output_tensor, grad_tensors=output_grad)
         clock.stop(i, "B")
+        timer("backward-compute").stop()
         return input_tensor.grad if input_tensor is not None else None
+
+    def keep_for_backward(x, y):
+        """The stage's input and output of a micro-batch, held until its backward. Once sent, the
+        output's values are not needed (its backward starts from the gradient the next stage
+        returns), so under --deallocate-pipeline-outputs (Megatron-LM always sets it) its storage
+        is freed now, as megatron-core's 1F1B frees it: one activation less per micro-batch in
+        flight. The last stage's output is the loss, a scalar, kept as it is."""
+        inputs.append(x)
+        outputs.append(y)
+        if not links.last:
+            deallocate_output_tensor(y, config.deallocate_pipeline_outputs)
 
     def recv_forward(i):
         x = links.recv_forward(shape(i))
@@ -160,8 +196,7 @@ def forward_backward_sparsebalance(
         y = run_forward(f, x)
         links.send_forward(y)
         if not forward_only:
-            inputs.append(x)
-            outputs.append(y)
+            keep_for_backward(x, y)
         f += 1
     x = recv_forward(f) if steady > 0 else None
     for j in range(steady):
@@ -173,8 +208,7 @@ def forward_backward_sparsebalance(
             x = None if last_round else recv_forward(f)
             continue
         out_grad = links.send_forward_recv_backward(y, shape(b))
-        inputs.append(x)
-        outputs.append(y)
+        keep_for_backward(x, y)
         if b == M - 1:
             sync_held.close()
         g = run_backward(b, inputs.pop(0), outputs.pop(0), out_grad)
@@ -198,6 +232,7 @@ def forward_backward_sparsebalance(
 
     if not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
+    timer("forward-backward").stop()
 
     if plan.measure:
         budgets, coverage, layers = read_reports(reports)

@@ -184,6 +184,9 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         pipeline_model_parallel_size=pipeline_parallel_size,
+        # Megatron-LM's core_transformer_config_from_args always sets it: a stage frees the values
+        # of each output it has sent (pipeline/schedule.py).
+        deallocate_pipeline_outputs=True,
         num_layers_in_first_pipeline_stage=first_stage_layers,
         num_layers_in_last_pipeline_stage=last_stage_layers,
         pipeline_model_parallel_layout=pipeline_layout,

@@ -20,7 +20,8 @@ def test_megatron_lm_loop_trains_with_our_schedule_and_logs_our_figures(tmp_path
     from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
 
     argv = SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "6", "--lr-decay-iters", "6",
-                                                    "--save", str(tmp_path), "--save-interval", "6"]
+                                                    "--save", str(tmp_path), "--save-interval", "6",
+                                                    "--timing-log-level", "2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_sparsebalance.megatron_lm",
            *argv]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -33,6 +34,9 @@ def test_megatron_lm_loop_trains_with_our_schedule_and_logs_our_figures(tmp_path
     # DST ran: the budgets the layers used moved off --moba-topk for some micro-batch.
     assert any(abs(r["sb_mean_budget"] - 8) > 1e-6 for r in rows)
     assert os.path.exists(os.path.join(tmp_path, "iter_0000006", "sparsebalance.pt"))
+    # Megatron-LM's timers of the schedule, as its timing log prints them (--timing-log-level 2).
+    timed = {ln.split()[0] for ln in out.stdout.splitlines() if "...:" in ln}
+    assert {"forward-backward", "forward-compute", "backward-compute"} <= timed, out.stdout[-3000:]
 
 
 def test_megatron_lm_entry_refuses_the_interleaved_schedule():
