@@ -196,6 +196,11 @@ def _refuse_what_we_cannot_run(args) -> None:
                                      "Megatron-LM's SFT dataset and its prompt masking are not built"),
         (getattr(args, "fim_data", False), "--fim-data: Megatron-LM's fill-in-the-middle dataset is not built; "
                                            "SparseBalance reads the documents as they are"),
+        (getattr(args, "phase_transition_iterations", None),
+         "--phase-transition-iterations: Megatron-LM exits at each phase so that the next one starts on other "
+         "data; SparseBalance's data order resumes from its own state of this stream (sparsebalance.pt), which "
+         "another phase's data does not match: run each phase as its own run (--finetune to start from the "
+         "weights)"),
         (getattr(args, "full_validation", False) or getattr(args, "multiple_validation_sets", False),
          "--full-validation / --multiple-validation-sets: SparseBalance validates on one stream of --eval-iters "
          "global batches"),
@@ -279,6 +284,20 @@ def _without_missing_fusions(args) -> list:
     return notes
 
 
+# Flags that tune Megatron-LM's own GPT dataset and data loader, which this entry does not build
+# (SparseBalance's streams read the documents and hand over whole global batches): taken, and named
+# in a printed note when given, since they change nothing here.
+DATA_LOADER_FLAGS = ("--num-workers", "--data-cache-path", "--no-mmap-bin-files", "--dataloader-fast-cache-load",
+                     "--dataloader-defer-npy-index-mmap", "--num-dataset-builder-threads",
+                     "--object-storage-cache-path", "--mid-level-dataset-surplus", "--per-dataset-sequences-path",
+                     "--allow-ambiguous-pad-tokens")
+
+
+def _given_flags(argv: list, flags: tuple) -> list:
+    """Which of ``flags`` ``argv`` gives (Megatron-LM's parser takes no abbreviations)."""
+    return [flag for flag in flags if any(a == flag or a.startswith(flag + "=") for a in argv)]
+
+
 def parse_megatron_args(argv=None):
     """Megatron-LM's arguments with ours added, checked for what SparseBalance needs, validated,
     and installed as Megatron-LM's global arguments."""
@@ -288,6 +307,7 @@ def parse_megatron_args(argv=None):
     saved_argv = sys.argv
     if argv is not None:
         sys.argv = [saved_argv[0], *argv]
+    unused_data_flags = _given_flags(sys.argv[1:], DATA_LOADER_FLAGS)
     try:
         args = parse_args(extra_args_provider=add_sparsebalance_args)
     finally:
@@ -310,6 +330,9 @@ def parse_megatron_args(argv=None):
     checked_config(args)
     if args.rank == 0 and notes:
         print("megatron_sparsebalance: without the packages they need, turned off " + "; ".join(notes), flush=True)
+    if args.rank == 0 and unused_data_flags:
+        print("megatron_sparsebalance: Megatron-LM's dataset and data loader are not built here (SparseBalance's "
+              "streams read the data), so these change nothing: " + ", ".join(unused_data_flags), flush=True)
     return args
 
 

@@ -77,6 +77,7 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(window_size=(64, 0), window_attn_skip_freq=4), r"--window-size \(64, 0\) \(layer 1\)"),
                          (dict(softmax_type="learnable"), "--softmax-type learnable"),
                          (dict(transformer_impl="inference_optimized"), "--transformer-impl inference_optimized"),
+                         (dict(phase_transition_iterations="100,200"), "--phase-transition-iterations"),
                          (dict(fp8="hybrid"), "--fp8-format hybrid"),
                          (dict(fp4="e2m1"), "--fp4-format e2m1"),
                          (dict(test_data_path=["test_docs"]), "--test-data-path"),
@@ -110,3 +111,15 @@ def test_megatron_lm_tokenizers_read_token_files_and_text_needs_ours():
     assert _token_source(args("NullTokenizer", ["corpus"])) == {}
     with pytest.raises(ValueError, match="--tokenizer-type SentencePieceTokenizer with .jsonl text"):
         _token_source(args("SentencePieceTokenizer", ["a.jsonl"]))
+
+
+def test_data_loader_flags_are_found_as_megatron_lms_parser_reads_them():
+    """The flags named in the note (they tune Megatron-LM's data loader, which is not built here),
+    found in a command line as Megatron-LM's parser reads it: whole names, ``--flag value`` or
+    ``--flag=value``, no abbreviations."""
+    from megatron_sparsebalance.megatron_lm import DATA_LOADER_FLAGS, _given_flags
+
+    argv = ["--num-workers", "8", "--data-cache-path=/cache", "--no-mmap-bin-files", "--num-workers-extra", "1",
+            "--data-path", "docs", "--num-dataset-builder", "4"]
+    assert _given_flags(argv, DATA_LOADER_FLAGS) == ["--num-workers", "--data-cache-path", "--no-mmap-bin-files"]
+    assert _given_flags(["--data-path", "docs"], DATA_LOADER_FLAGS) == []

@@ -69,6 +69,7 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     (["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
     (["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"], "--fp8-format hybrid"),
     (["--transformer-impl", "inference_optimized"], "--transformer-impl inference_optimized"),
+    (["--phase-transition-iterations", "1"], "--phase-transition-iterations"),
 ])
 def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
     """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
@@ -118,6 +119,18 @@ def test_megatron_lm_per_split_data_paths_are_read_as_megatron_lm_reads_them():
              "d = checked_config(parse_megatron_args(sys.argv[1:])).data; print('DATA', d.data_path, d.valid_data_path, d.split)")
     out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "DATA train_docs valid_docs None" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_megatron_lm_data_loader_flags_are_named_as_changing_nothing(capsys):
+    """A launch script's --num-workers and --data-cache-path tune Megatron-LM's data loader, which
+    SparseBalance's streams replace: taken, and named in a note rather than dropped without a word."""
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+    from megatron_sparsebalance.megatron_lm import parse_megatron_args
+
+    parse_megatron_args(SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "2", "--num-workers", "8",
+                                                                "--data-cache-path", "/tmp/cache"])
+    note = [ln for ln in capsys.readouterr().out.splitlines() if "change nothing" in ln]
+    assert note and note[0].endswith("change nothing: --num-workers, --data-cache-path"), note
 
 
 MODEL_PROBE = """
