@@ -1,6 +1,7 @@
 """Bodies of the multi-process pipeline tests (importable by spawned workers)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -56,10 +57,20 @@ def each_case(fn, cases):
 
 class RecordingTimers:
     """Megatron-LM's ``Timers`` as the schedule calls them: ``timers(name, log_level=...)`` then
-    ``start(barrier=...)`` / ``stop()``; records ``(name, log_level, what)``."""
+    ``start(barrier=...)`` / ``stop()``; records ``(name, log_level, what)``, and in the same list
+    ``no_sync`` and ``grad_sync`` (DDP's, as Megatron-LM puts them in the config) when used as such."""
 
     def __init__(self):
         self.events = []
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.events.append(("no_sync", None, "enter"))
+        yield
+        self.events.append(("no_sync", None, "exit"))
+
+    def grad_sync(self, params):
+        self.events.append(("grad_sync", None, "call"))
 
     def __call__(self, name, log_level=None):
         events = self.events
@@ -110,6 +121,8 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget, ddp=False):
         return output, loss_func
 
     cfg.timers = RecordingTimers()
+    if not ddp:  # megatron-core's DDP brings its own no_sync; here the order of sync and backward is recorded
+        cfg.no_sync_func, cfg.grad_sync_func = cfg.timers.no_sync, cfg.timers.grad_sync
     losses = forward_backward_sparsebalance(
         forward_step_func=recorded_forward_step, data_iterator=iter(batches), model=[model],
         num_microbatches=len(batches), seq_length=0, micro_batch_size=1, plan=plan,
@@ -119,6 +132,14 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget, ddp=False):
     assert cfg.timers.events[0] == ("forward-backward", 1, "start") and cfg.timers.events[-1][::2] == ("forward-backward", "stop")
     for name in ("forward-compute", "backward-compute"):
         assert [e for e in cfg.timers.events if e[0] == name] == [(name, 2, "start"), (name, None, "stop")] * n
+    if not ddp:  # with a grad_sync_func (Megatron-LM's --align-grad-reduce), megatron-core's order
+        last_backward = max(i for i, e in enumerate(cfg.timers.events) if e[0] == "backward-compute")
+        released = cfg.timers.events.index(("no_sync", None, "exit"))
+        if parallel_state.is_pipeline_first_stage():  # the last backward launches the reductions
+            assert released < last_backward and ("grad_sync", None, "call") not in cfg.timers.events
+        else:  # the others launch theirs after the cool-down, all at once
+            assert cfg.timers.events[released:released + 2] == [("no_sync", None, "exit"), ("grad_sync", None, "call")]
+            assert released > last_backward
     # --deallocate-pipeline-outputs (transformer_config sets it, as Megatron-LM does): every output a
     # stage sent was freed down to one value, and the gradients below still equal the reference's.
     assert cfg.deallocate_pipeline_outputs and len(sent) == n

@@ -179,14 +179,17 @@ def forward_backward_sparsebalance(
             x.requires_grad_(True)
         return x
 
+    M = num_microbatches
+    pp, rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
     # Gradients are reduced across data-parallel ranks once per global batch: sync is held off
-    # until the last micro-batch's backward (as megatron-core's schedules do).
+    # until the last micro-batch's backward, as megatron-core's 1F1B does. Given a grad_sync_func
+    # (Megatron-LM's --align-grad-reduce, its default with --overlap-grad-reduce), only the first
+    # stage launches its reductions from that backward; the others launch theirs after the
+    # cool-down, all at once.
     no_sync = config.no_sync_func if config.no_sync_func is not None else contextlib.nullcontext
     sync_held = contextlib.ExitStack()
     sync_held.enter_context(no_sync())
-
-    M = num_microbatches
-    pp, rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    launch_in_last_backward = config.grad_sync_func is None or rank == 0
     warmup = M if forward_only else min(pp - rank - 1, M)
     steady = M - warmup
     inputs, outputs = [], []
@@ -209,7 +212,7 @@ def forward_backward_sparsebalance(
             continue
         out_grad = links.send_forward_recv_backward(y, shape(b))
         keep_for_backward(x, y)
-        if b == M - 1:
+        if b == M - 1 and launch_in_last_backward:
             sync_held.close()
         g = run_backward(b, inputs.pop(0), outputs.pop(0), out_grad)
         if last_round:
@@ -222,12 +225,15 @@ def forward_backward_sparsebalance(
         b += 1
     if not forward_only:
         while b < M:
-            if b == M - 1:
+            if b == M - 1 and launch_in_last_backward:
                 sync_held.close()
             out_grad = links.recv_backward(shape(b))
             g = run_backward(b, inputs.pop(0), outputs.pop(0), out_grad)
             links.send_backward(g)
             b += 1
+        if not launch_in_last_backward:
+            sync_held.close()
+            config.grad_sync_func(model.parameters())
     sync_held.close()
 
     if not forward_only and config.finalize_model_grads_func is not None:
