@@ -238,6 +238,18 @@ def mend_optimizer_loading(optimizer):
     return optimizer
 
 
+def record_packed_lengths(cu_seqlens: torch.Tensor) -> None:
+    """Add a THD pack's documents to what Megatron-LM's FLOPs count of the iteration reads
+    (``sum L`` and ``sum L^2``: ``megatron.training.training.update_seqlen_stats_from_cu_seqlens``,
+    0.19.2; on the device, no host sync). Where a release lacks it, Megatron-LM prices every sample
+    as ``--seq-length`` tokens of one causal sequence and there is nothing to record."""
+    from megatron.training import training
+
+    update = getattr(training, "update_seqlen_stats_from_cu_seqlens", None)
+    if update is not None:
+        update(cu_seqlens)
+
+
 def optimizer_state_reshards_over_tp_pp(optimizer) -> bool:
     """Whether ``optimizer``'s checkpointed state loads at another TP or PP size (see above)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -310,5 +322,5 @@ def use_prebuilt_dataset_helpers() -> None:
 __all__ = ["HAVE_MEGATRON_TRAINING", "MEGATRON_CORE", "MEGATRON_CORE_VERSION", "fill_empty_adam_state",
            "finish_optimizer_load", "initialize_model_parallel", "mend_optimizer_loading",
            "optimizer_sharded_state_dict", "optimizer_state_reshards_over_tp_pp", "prepare_optimizer_for_load",
-           "replica_local_process_groups", "restore_adam_steps", "torch_dist_save_strategy",
-           "use_prebuilt_dataset_helpers"]
+           "record_packed_lengths", "replica_local_process_groups", "restore_adam_steps",
+           "torch_dist_save_strategy", "use_prebuilt_dataset_helpers"]

@@ -133,6 +133,49 @@ def test_megatron_lm_data_loader_flags_are_named_as_changing_nothing(capsys):
     assert note and note[0].endswith("change nothing: --num-workers, --data-cache-path"), note
 
 
+FLOPS_PROBE = """
+import sys, types, torch
+from megatron.core import parallel_state
+from megatron.training.training import consume_seqlen_stats_in_iteration
+from megatron_sparsebalance.data.synthetic import copy_task_batch
+from megatron_sparsebalance.megatron_lm import forward_step, install, parse_megatron_args
+
+
+class PerTokenLoss(torch.nn.Module):  # what forward_step calls: a GPT model's per-token loss
+    config = types.SimpleNamespace(sequence_parallel=False)
+
+    def forward(self, tokens, position_ids, attention_mask, labels=None, packed_seq_params=None):
+        return torch.zeros(labels.shape, device=labels.device)
+
+
+install()
+parse_megatron_args(sys.argv[1:])
+torch.distributed.init_process_group("nccl")
+torch.cuda.set_device(0)
+parallel_state.initialize_model_parallel()
+model = PerTokenLoss()
+batch = copy_task_batch([100, 300, 1000], 64, torch.Generator().manual_seed(0)).to("cuda")
+forward_step(iter([batch]), model.train())
+print("TRAIN", consume_seqlen_stats_in_iteration())
+forward_step(iter([batch]), model.eval())
+print("EVAL", consume_seqlen_stats_in_iteration())
+"""
+
+
+def test_megatron_lm_flops_count_reads_the_documents_of_each_pack():
+    """Megatron-LM's FLOPs count (--log-throughput, the checkpoints' running total) prices each
+    document of a THD pack (sum L, sum L^2) where its own THD path records them; without, every
+    sample was priced as --seq-length tokens of one causal sequence. Evaluation is not counted."""
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29532", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    out = subprocess.run([sys.executable, "-c", FLOPS_PROBE, *SHAPE, *TRAINING, *OURS, *MEGATRON_LM,
+                          "--train-iters", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "TRAIN (1400.0, 1100000.0)" in out.stdout and "EVAL (None, None)" in out.stdout, out.stdout[-2000:]
+
+
 MODEL_PROBE = """
 import sys, torch
 from megatron.core import parallel_state, tensor_parallel
