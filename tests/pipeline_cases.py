@@ -140,7 +140,7 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget, ddp=False):
         else:  # the others launch theirs after the cool-down, all at once
             assert cfg.timers.events[released:released + 2] == [("no_sync", None, "exit"), ("grad_sync", None, "call")]
             assert released > last_backward
-    # --deallocate-pipeline-outputs (transformer_config sets it, as Megatron-LM does): every output a
+    # deallocate_pipeline_outputs (transformer_config sets it, as Megatron-LM does): every output a
     # stage sent was freed down to one value, and the gradients below still equal the reference's.
     assert cfg.deallocate_pipeline_outputs and len(sent) == n
     if not parallel_state.is_pipeline_last_stage():

@@ -165,9 +165,9 @@ def forward_backward_sparsebalance(
     def keep_for_backward(x, y):
         """The stage's input and output of a micro-batch, held until its backward. Once sent, the
         output's values are not needed (its backward starts from the gradient the next stage
-        returns), so under --deallocate-pipeline-outputs (Megatron-LM always sets it) its storage
-        is freed now, as megatron-core's 1F1B frees it: one activation less per micro-batch in
-        flight. The last stage's output is the loss, a scalar, kept as it is."""
+        returns), so under the config's deallocate_pipeline_outputs (Megatron-LM always sets it)
+        its storage is freed now, as megatron-core's 1F1B frees it: one activation less per
+        micro-batch in flight. The last stage's output is the loss, a scalar, kept as it is."""
         inputs.append(x)
         outputs.append(y)
         if not links.last:
