@@ -209,6 +209,9 @@ def _refuse_what_we_cannot_run(args) -> None:
          f"--cuda-graph-impl {getattr(args, 'cuda_graph_impl', None)} (or --enable-cuda-graph / "
          "--external-cuda-graph): a CUDA graph replays one capture of a layer, while the sparse core attention "
          "decides on the host for each micro-batch (its packing, DST's budget); use --cuda-graph-impl none"),
+        (getattr(args, "defer_embedding_wgrad_compute", False),
+         "--defer-embedding-wgrad-compute: megatron-core's 1F1B computes the deferred weight gradient of the "
+         "output layer after its cool-down; SparseBalance's 1F1B does not, and the output layer would not learn"),
         (getattr(args, "transformer_impl", "local") == "inference_optimized",
          "--transformer-impl inference_optimized: megatron-core's inference layers are not built for training; "
          "use local or transformer_engine"),

@@ -78,6 +78,7 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(softmax_type="learnable"), "--softmax-type learnable"),
                          (dict(transformer_impl="inference_optimized"), "--transformer-impl inference_optimized"),
                          (dict(phase_transition_iterations="100,200"), "--phase-transition-iterations"),
+                         (dict(defer_embedding_wgrad_compute=True), "--defer-embedding-wgrad-compute"),
                          (dict(fp8="hybrid"), "--fp8-format hybrid"),
                          (dict(fp4="e2m1"), "--fp4-format e2m1"),
                          (dict(test_data_path=["test_docs"]), "--test-data-path"),

@@ -70,6 +70,7 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     (["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"], "--fp8-format hybrid"),
     (["--transformer-impl", "inference_optimized"], "--transformer-impl inference_optimized"),
     (["--phase-transition-iterations", "1"], "--phase-transition-iterations"),
+    (["--defer-embedding-wgrad-compute"], "--defer-embedding-wgrad-compute"),
 ])
 def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
     """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
