@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import replace
 
 import torch
@@ -285,6 +286,53 @@ def metrics_from_known_spans():
                              predicted_ms={0: 6.0, 1: 6.0, 2: 3.0})
     m = gather_iteration_metrics(record, 3)
     assert m.budgets == [4.0, 2.0, 4.0] and m.coverage == [1.0, 0.5, 1.0]
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity whose backward first sleeps: a backward of known length on CPU."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def figures_from_known_sleeps():
+    """The balance figures the schedule measures, on a run whose times are known: PP=2, three
+    micro-batches, every forward 100 ms and every backward 200 ms, except stage 1's backward of
+    micro-batch 1 (1,000 ms). Micro-batch times summed over both stages are then 600, 1,400 and
+    600 ms (imbalance 1,400 / 866.7 = 1.62); in 1F1B the iteration takes 2,000 ms, of which
+    stage 0 is busy 900 and stage 1 1,700 (bubbles 0.55 and 0.15). The tiny model's own compute
+    adds 20-30 ms to each micro-batch here; the bounds leave room for more on a loaded machine."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    cfg = transformer_config(SHAPE, pipeline_parallel_size=2)
+    torch.manual_seed(0)
+    model = build_gpt_model(SHAPE, SPARSE, cfg, max_sequence_length=4096,
+                            pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage())
+    lengths = [[64], [64], [64]]
+    calls = iter(range(len(lengths)))
+
+    def timed_forward_step(data_iterator, model):
+        mb = next(calls)
+        time.sleep(0.1)
+        output, loss_func = forward_step(data_iterator, model)
+        return _SleepInBackward.apply(output, 1.0 if (pp_rank, mb) == (1, 1) else 0.2), loss_func
+
+    plan = PipelinePlan([MicroBatchPlan(l, budget=2) for l in lengths], hidden_size=SHAPE.hidden_size)
+    forward_backward_sparsebalance(forward_step_func=timed_forward_step, data_iterator=iter(micro_batches(lengths, 5)),
+                                   model=[model], num_microbatches=len(lengths), plan=plan)
+    m = plan.measured
+    expect = [600.0, 1400.0, 600.0]
+    assert all(e <= t < e + 150 for t, e in zip(m.micro_batch_ms, expect)), m.micro_batch_ms
+    assert abs(m.imbalance - 1400 / (2600 / 3)) < 0.12, m.imbalance
+    assert 2000 <= m.iteration_ms < 2300, m.iteration_ms
+    assert abs(m.bubble[0] - 0.55) < 0.06 and abs(m.bubble[1] - 0.15) < 0.06, m.bubble
 
 
 def groups_kept_across_calls():

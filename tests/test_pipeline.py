@@ -47,6 +47,7 @@ def launch_all(root):
     pp2 = launch_cases([
         ("varied", *pipelined("varied")),
         ("known-spans", pipeline_cases.metrics_from_known_spans, ()),
+        ("known-sleeps", pipeline_cases.figures_from_known_sleeps, ()),
         ("megatron-1f1b", pipeline_cases.megatron_oracle, ([[130, 64], [448], [64, 64, 200]], 3)),
         ("groups-kept", pipeline_cases.groups_kept_across_calls, ()),
         ("benchmark", pipeline_cases.trainer_benchmark, (str(bench_dir),)),
@@ -84,6 +85,11 @@ def test_no_deadlock_at_the_edges(launches):
 def test_imbalance_and_bubble_from_known_spans(launches):
     """The balance figures the benchmarks report, against values computed by hand."""
     launches["pp2"].check("known-spans")
+
+
+def test_imbalance_and_bubble_the_schedule_measures_on_known_step_times(launches):
+    """The figures of a real 1F1B run whose forward and backward times are set by sleeps."""
+    launches["pp2"].check("known-sleeps")
 
 
 def test_equals_megatron_core_1f1b(launches):
