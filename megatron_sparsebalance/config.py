@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
-from megatron_sparsebalance.attention.spec import HAVE_TE
+from megatron_sparsebalance.attention.spec import HAVE_TE, refuse_unknown_normalization
 from megatron_sparsebalance.balance.dst import ANCHORS, DSTConfig
 from megatron_sparsebalance.balance.sab import BatchingConfig
 from megatron_sparsebalance.balance.split import SplitConfig
@@ -32,7 +32,6 @@ from megatron_sparsebalance.convert.hf_config import padded_vocab_size
 from megatron_sparsebalance.data.datasets import MOCK_VOCAB_SIZE, DataConfig
 from megatron_sparsebalance.training.model import (
     MODEL_PRESETS,
-    NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
     ModelShape,
     RecomputeSettings,
@@ -205,8 +204,8 @@ class ModelConfig:
         refuse_position_embedding(pet)
         if pet is not None and pet not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"--position-embedding-type must be one of {', '.join(POSITION_EMBEDDING_TYPES)}, got {pet!r}")
-        if self.normalization is not None and self.normalization not in NORMALIZATIONS:
-            raise ValueError(f"--normalization must be RMSNorm or LayerNorm, got {self.normalization!r}")
+        if self.normalization is not None:
+            refuse_unknown_normalization(self.normalization)
         s = self.shape(vocab_size)
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                      "vocab_size"):

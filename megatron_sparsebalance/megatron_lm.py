@@ -405,14 +405,14 @@ def forward_step(data_iterator, model):
     the tokens of the global batch; the loss is checked as Megatron-LM's own GPT loss checks it.
     """
     from megatron_sparsebalance.compat import record_packed_lengths
-    from megatron_sparsebalance.training.step import gpt_forward_step
+    from megatron_sparsebalance.training.step import gpt_forward
 
     batch = next(data_iterator)
     if model.training:
         # Megatron-LM's FLOPs count (--log-throughput's TFLOP/s, the checkpoints' running total) reads
         # each pack's documents from here, as its own THD path records them; evaluation is not counted.
         record_packed_lengths(batch.cu_seqlens)
-    output, loss_func = gpt_forward_step(iter([batch]), model)
+    output, loss_func = gpt_forward(batch, model)
 
     def megatron_lm_loss(per_token_loss):
         loss, tokens, _ = loss_func(per_token_loss)

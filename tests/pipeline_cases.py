@@ -56,10 +56,11 @@ def each_case(fn, cases):
             raise AssertionError(f"case {name!r} failed") from e
 
 
-class RecordingTimers:
-    """Megatron-LM's ``Timers`` as the schedule calls them: ``timers(name, log_level=...)`` then
-    ``start(barrier=...)`` / ``stop()``; records ``(name, log_level, what)``, and in the same list
-    ``no_sync`` and ``grad_sync`` (DDP's, as Megatron-LM puts them in the config) when used as such."""
+class ScheduleRecorder:
+    """What the schedule calls of the config, in order: Megatron-LM's ``Timers``
+    (``timers(name, log_level=...)``, then ``start(barrier=...)`` / ``stop()``) and, where used as
+    such, ``no_sync`` and ``grad_sync`` (DDP's, as Megatron-LM puts them in the config); each call
+    recorded as ``(name, log_level, what)``."""
 
     def __init__(self):
         self.events = []
@@ -121,7 +122,7 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget, ddp=False):
         sent.append(output)
         return output, loss_func
 
-    cfg.timers = RecordingTimers()
+    cfg.timers = ScheduleRecorder()
     if not ddp:  # megatron-core's DDP brings its own no_sync; here the order of sync and backward is recorded
         cfg.no_sync_func, cfg.grad_sync_func = cfg.timers.no_sync, cfg.timers.grad_sync
     losses = forward_backward_sparsebalance(

@@ -31,41 +31,42 @@ def sparse_core_attention_spec(sparse_config: SparseAttentionConfig, num_query_g
                       params={"sparse_config": sparse_config.validate(), "model_query_groups": num_query_groups})
 
 
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+
+
+def refuse_unknown_normalization(normalization: str) -> None:
+    """The norms our layer specs build (the standalone entry's parser and the layers check alike)."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"--normalization must be RMSNorm or LayerNorm, got {normalization!r}")
+
+
 def refuse_unbuilt_norm(config) -> None:
     """Norm settings that megatron-core's ``WrappedTorchNorm`` refuses (by assertion, while building
     the model) and that our torch norms, which replace it in the local spec, would drop: refused by
     flag name. ``config``: a ``TransformerConfig``, or Megatron-LM's arguments (same field names)."""
     if getattr(config, "memory_efficient_layer_norm", False):
         raise ValueError("memory_efficient_layer_norm is apex's layer norm; the local layer spec builds torch's")
-    normalization = getattr(config, "normalization", "LayerNorm")
-    if normalization not in ("RMSNorm", "LayerNorm"):
-        raise ValueError(f"--normalization must be RMSNorm or LayerNorm, got {normalization!r}")
+    refuse_unknown_normalization(getattr(config, "normalization", "LayerNorm"))
 
 
-class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
-    """``--apply-layernorm-1p`` (megatron-core's ``layernorm_zero_centered_gamma``): the weight holds
-    gamma - 1, starts at zeros, and the norm scales by 1 + weight, so weight decay pulls gamma
-    towards 1. megatron-core has this only in apex's and Transformer Engine's norms (its torch
-    norm asserts against it), and neither installs on our machines: written here on torch's."""
+class _ZeroCenteredGamma:
+    """``--apply-layernorm-1p`` (megatron-core's ``layernorm_zero_centered_gamma``) on a torch norm:
+    the weight holds gamma - 1 and starts at zeros, the norm scales by 1 + weight, so weight decay
+    pulls gamma towards 1. megatron-core has this only in apex's and Transformer Engine's norms (its
+    torch norm asserts against it), and neither installs on our machines: written here."""
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
         if self.weight is not None:
             torch.nn.init.zeros_(self.weight)
 
+
+class ZeroCenteredLayerNorm(_ZeroCenteredGamma, torch.nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
-    """RMSNorm under ``--apply-layernorm-1p`` (as :class:`ZeroCenteredLayerNorm`; Transformer
-    Engine's RMSNorm takes the flag too)."""
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if self.weight is not None:
-            torch.nn.init.zeros_(self.weight)
-
+class ZeroCenteredRMSNorm(_ZeroCenteredGamma, torch.nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
 

@@ -25,7 +25,6 @@ except ImportError:  # no Triton: megatron's unfused RoPE
 
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
-NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 
 
 @dataclass(frozen=True)

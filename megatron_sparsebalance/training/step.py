@@ -17,12 +17,17 @@ from megatron_sparsebalance.pipeline.schedule import MicroBatchPlan, PipelinePla
 
 
 def gpt_forward_step(data_iterator, model):
-    """megatron-core's ``forward_step_func`` for packed GPT micro-batches (``PackedBatch``).
+    """megatron-core's ``forward_step_func`` for packed GPT micro-batches (``PackedBatch``):
+    :func:`gpt_forward` of the iterator's next micro-batch."""
+    return gpt_forward(next(data_iterator), model)
+
+
+def gpt_forward(batch: PackedBatch, model):
+    """``model``'s forward of one packed micro-batch, and its loss function.
 
     The loss function returns ``(sum of masked token losses, number of loss tokens, report)``,
     so the schedule normalizes per token and per micro-batch as megatron-core does.
     """
-    batch = next(data_iterator)
     config = get_model_config(model)
     if config.sequence_parallel:
         batch = pad_for_sequence_parallel(batch, config.tensor_model_parallel_size)
