@@ -17,7 +17,8 @@ What changed between them, and where it matters to us:
 - Not a version difference but megatron-core's own, 0.16 to 0.19: its distributed optimizer over
   torch's Adam (no Transformer Engine, no apex) cannot load a checkpoint into a fresh optimizer, and
   after loading holds a wrong, shared ``step`` (:func:`prepare_optimizer_for_load`, :func:`finish_optimizer_load`;
-  around Megatron-LM's own loader, :func:`mend_optimizer_loading`).
+  around Megatron-LM's own loader, :func:`mend_optimizer_loading`, which also lets its legacy format's
+  ``load_parameter_state`` load without a ``step`` to copy).
 - ``initialize_model_parallel`` gained positional parameters after ``expert_model_parallel_size``
   in 0.19: :func:`initialize_model_parallel` passes keywords only.
 - ``megatron.training`` exists from 0.19's wheel on (:data:`HAVE_MEGATRON_TRAINING`); its
@@ -30,6 +31,7 @@ What changed between them, and where it matters to us:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import queue
@@ -210,17 +212,34 @@ def finish_optimizer_load(optimizer, state_dict) -> None:
         restore_adam_steps(part.optimizer, steps.pop())
 
 
+@contextlib.contextmanager
+def _adam_steps_set_aside(optimizer):
+    """The per-parameter ``step`` tensors of ``optimizer``'s torch Adams out of their states inside,
+    put back as they were on leaving."""
+    held = [(state, state.pop("step")) for _, part in _distributed_optimizers_over_torch_adam(optimizer)
+            for state in part.optimizer.state.values() if "step" in state]
+    try:
+        yield
+    finally:
+        for state, step in held:
+            state["step"] = step
+
+
 def mend_optimizer_loading(optimizer):
     """``optimizer`` with :func:`prepare_optimizer_for_load` and :func:`finish_optimizer_load` around
     its own two loading calls, for a loader that is not ours: Megatron-LM's ``load_checkpoint``
     asks ``optimizer.sharded_state_dict(..., is_loading=True)`` for what to load, then calls
     ``optimizer.load_state_dict(...)``. Without it, Megatron-LM's own loop over torch's Adam (no
     Transformer Engine, no apex) stops at the first call's ``step`` assertion when it resumes, and
-    would restart Adam's bias correction after the second. Returned as it is where neither fault
-    can occur."""
+    would restart Adam's bias correction after the second. In Megatron-LM's legacy checkpoint format
+    (``--ckpt-format torch``) a third call, ``load_parameter_state``, copies the saved tensors into
+    every tensor of each parameter's state, and the saved ones have no ``step`` (megatron-core
+    0.19.2: KeyError 'step'): it runs with the steps set aside, which the second call has already
+    set right. Returned as it is where none of these faults can occur."""
     if not _distributed_optimizers_over_torch_adam(optimizer):
         return optimizer
     sharded_state_dict, load_state_dict = optimizer.sharded_state_dict, optimizer.load_state_dict
+    load_parameter_state = getattr(optimizer, "load_parameter_state", None)
 
     @functools.wraps(sharded_state_dict)
     def sharded_state_dict_ready_to_load(*args, **kwargs):
@@ -235,6 +254,13 @@ def mend_optimizer_loading(optimizer):
 
     optimizer.sharded_state_dict = sharded_state_dict_ready_to_load
     optimizer.load_state_dict = load_state_dict_with_steps
+    if load_parameter_state is not None:
+        @functools.wraps(load_parameter_state)
+        def load_parameter_state_around_steps(*args, **kwargs):
+            with _adam_steps_set_aside(optimizer):
+                return load_parameter_state(*args, **kwargs)
+
+        optimizer.load_parameter_state = load_parameter_state_around_steps
     return optimizer
 
 

@@ -219,6 +219,10 @@ def _refuse_what_we_cannot_run(args) -> None:
          f"{low_precision}: FP8 and FP4 run in Transformer Engine's layers (megatron-core's FP8 context does "
          "nothing without them), so the local layer spec would train in bf16; use --transformer-impl "
          "transformer_engine where Transformer Engine is installed, or drop the flag"),
+        (getattr(args, "non_persistent_ckpt_type", None) == "local",
+         "--non-persistent-ckpt-type local: Megatron-LM's local checkpoints are kept by nvidia-resiliency-ext's "
+         "checkpoint manager, which does not hold SparseBalance's state (sparsebalance.pt: the data order and "
+         "the balancer); use --non-persistent-ckpt-type global"),
         (getattr(args, "spec", None) is not None,
          "--spec: the layer spec is ours (megatron-core's GPT layer with the sparse core attention in its "
          "core_attention slot); a spec of your own would not be built: drop --spec"),
@@ -511,6 +515,34 @@ def _iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")  # Megatron-LM's layout
 
 
+def _non_persistent_root(args, root: str) -> str:
+    """Where Megatron-LM 0.19.2 keeps its non-persistent global checkpoints beside ``root`` (--save or
+    --load): --non-persistent-global-ckpt-dir, else ``<root>/non_persistent``."""
+    return getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(root, "non_persistent")
+
+
+def _state_dir_to_save(args, iteration: int, non_persistent: bool) -> str:
+    """The iteration directory Megatron-LM's ``save_checkpoint`` writes this checkpoint into, so that
+    our state lies beside its files and goes when Megatron-LM removes them (it keeps only the newest
+    non-persistent checkpoint)."""
+    root = _non_persistent_root(args, args.save) if non_persistent else args.save
+    return _iteration_dir(root, iteration)
+
+
+def _state_path_to_load(args) -> str:
+    """Our state of the checkpoint Megatron-LM's ``load_checkpoint`` just read ``args.iteration``
+    from: its non-persistent global checkpoint where that one is at this iteration (Megatron-LM
+    prefers it to a persistent one as new or older), else --load's."""
+    if getattr(args, "non_persistent_ckpt_type", None) == "global":
+        root = _non_persistent_root(args, args.load)
+        tracker = os.path.join(root, "latest_checkpointed_iteration.txt")  # Megatron-LM's tracker file
+        if os.path.isfile(tracker):
+            with open(tracker) as f:
+                if f.read().strip() == str(args.iteration):
+                    return os.path.join(_iteration_dir(root, args.iteration), STATE_FILE)
+    return os.path.join(_iteration_dir(args.load, args.iteration), STATE_FILE)
+
+
 def datasets_provider(train_valid_test_num_samples):
     """Megatron-LM's dataset provider: our streams (train, validation; no test split)."""
     global _STATE
@@ -519,7 +551,7 @@ def datasets_provider(train_valid_test_num_samples):
     args = get_args()
     _STATE = _RunState(args)
     if args.load and args.iteration > 0:
-        path = os.path.join(_iteration_dir(args.load, args.iteration), STATE_FILE)
+        path = _state_path_to_load(args)
         if not os.path.exists(path):
             raise ValueError(f"--load {args.load}: iteration {args.iteration} has no {STATE_FILE} (not saved by "
                              "megatron_sparsebalance.megatron_lm); the data order and balancer state cannot be resumed. "
@@ -629,19 +661,19 @@ def _log_row(state: _RunState, reports, figures: dict) -> None:
 
 
 def _save_with_our_state(save_checkpoint):
-    def save(iteration, *args, **kwargs):
+    def save(iteration, *args, non_persistent_ckpt=False, **kwargs):
         from megatron.training import get_args
 
         megatron_args = get_args()
         if _STATE is not None and megatron_args.save and torch.distributed.get_rank() == 0:
             # Written before Megatron-LM's files: its tracker file, written last, is what makes
             # the checkpoint the latest, so a checkpoint it names always has our state.
-            path = _iteration_dir(megatron_args.save, iteration)
+            path = _state_dir_to_save(megatron_args, iteration, non_persistent_ckpt)
             os.makedirs(path, exist_ok=True)
             tmp = os.path.join(path, STATE_FILE + ".tmp")
             torch.save(_STATE.state_dict(), tmp)
             os.replace(tmp, os.path.join(path, STATE_FILE))
-        return save_checkpoint(iteration, *args, **kwargs)
+        return save_checkpoint(iteration, *args, non_persistent_ckpt=non_persistent_ckpt, **kwargs)
 
     return save
 

@@ -5,6 +5,7 @@ mend_optimizer_loading around Megatron-LM's loader). The distributed optimizer i
 Adam in the states that its load_state_dict leaves, and the order of the mends around a loader."""
 import copy
 
+import pytest
 import torch
 
 from megatron_sparsebalance import compat
@@ -110,3 +111,45 @@ def test_an_optimizer_without_the_faults_is_not_wrapped(monkeypatch):
     optimizer = _RecordingOptimizer([])
     compat.mend_optimizer_loading(optimizer)
     assert "sharded_state_dict" not in vars(optimizer) and "load_state_dict" not in vars(optimizer)
+
+
+class _LegacyFormatOptimizer:
+    """The distributed optimizer's legacy-format load as megatron-core 0.19.2 does it
+    (``_set_main_param_and_optimizer_states``): each tensor of a parameter's state is copied from
+    the saved tensors of that name, and the saved ones are the parameter, exp_avg and exp_avg_sq."""
+
+    def __init__(self, adam):
+        self.optimizer = adam
+
+    def sharded_state_dict(self, *args, **kwargs):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+    def load_parameter_state(self, saved):
+        for param, tensors in zip(self.optimizer.param_groups[0]["params"], saved):
+            state = self.optimizer.state[param]
+            for key in ("param", *[k for k, v in state.items() if isinstance(v, torch.Tensor)]):
+                (param.data if key == "param" else state[key]).copy_(tensors[key])
+
+
+def test_the_legacy_formats_parameter_state_loads_around_the_steps(monkeypatch):
+    """``--ckpt-format torch``: load_parameter_state copies into every tensor of the state, and the
+    saved tensors hold no step (megatron-core 0.19.2: KeyError 'step'); mended, it loads the rest and
+    leaves each parameter's own step (set by the earlier load_state_dict) as it was."""
+    params, adam = _adam()
+    _step(params, adam, 0)
+    saved = [{"param": torch.full_like(p, 0.5), "exp_avg": torch.full_like(p, 0.25),
+              "exp_avg_sq": torch.full_like(p, 0.125)} for p in params]
+    with pytest.raises(KeyError, match="step"):
+        _LegacyFormatOptimizer(adam).load_parameter_state(saved)
+    restore_adam_steps(adam, 7)
+    steps = [adam.state[p]["step"] for p in params]
+    optimizer = _LegacyFormatOptimizer(adam)
+    monkeypatch.setattr(compat, "_distributed_optimizers_over_torch_adam", lambda o: [(0, optimizer)])
+    compat.mend_optimizer_loading(optimizer).load_parameter_state(saved)
+    for p, step in zip(params, steps):
+        assert adam.state[p]["step"] is step and float(step) == 7.0
+        assert torch.equal(p.data, torch.full_like(p, 0.5))
+        assert torch.equal(adam.state[p]["exp_avg_sq"], torch.full_like(p, 0.125))

@@ -79,6 +79,7 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(transformer_impl="inference_optimized"), "--transformer-impl inference_optimized"),
                          (dict(phase_transition_iterations="100,200"), "--phase-transition-iterations"),
                          (dict(defer_embedding_wgrad_compute=True), "--defer-embedding-wgrad-compute"),
+                         (dict(non_persistent_ckpt_type="local"), "--non-persistent-ckpt-type local"),
                          (dict(fp8="hybrid"), "--fp8-format hybrid"),
                          (dict(fp4="e2m1"), "--fp4-format e2m1"),
                          (dict(test_data_path=["test_docs"]), "--test-data-path"),
@@ -90,6 +91,40 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(enable_cuda_graph=True), "--enable-cuda-graph")):
         with pytest.raises(ValueError, match=flag):
             _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, **change}))
+
+
+def test_our_state_lies_in_the_checkpoint_megatron_lm_writes_and_reads(tmp_path):
+    """Our state goes into the iteration directory of the checkpoint Megatron-LM saves, persistent
+    (--save) or non-persistent (--non-persistent-global-ckpt-dir, else <save>/non_persistent), and is
+    read from the one Megatron-LM loaded: the non-persistent checkpoint where its tracker names the
+    loaded iteration, else --load's."""
+    from types import SimpleNamespace
+
+    from megatron_sparsebalance.megatron_lm import STATE_FILE, _state_dir_to_save, _state_path_to_load
+
+    save = str(tmp_path / "ckpt")
+    args = SimpleNamespace(save=save, load=save, non_persistent_global_ckpt_dir=None,
+                           non_persistent_ckpt_type="global", iteration=30)
+    assert _state_dir_to_save(args, 20, non_persistent=False) == f"{save}/iter_0000020"
+    assert _state_dir_to_save(args, 30, non_persistent=True) == f"{save}/non_persistent/iter_0000030"
+    scratch = str(tmp_path / "scratch")
+    elsewhere = SimpleNamespace(**{**vars(args), "non_persistent_global_ckpt_dir": scratch})
+    assert _state_dir_to_save(elsewhere, 30, non_persistent=True) == f"{scratch}/iter_0000030"
+
+    # No non-persistent tracker: Megatron-LM loaded --load's checkpoint.
+    assert _state_path_to_load(args) == f"{save}/iter_0000030/{STATE_FILE}"
+    (tmp_path / "ckpt" / "non_persistent").mkdir(parents=True)
+    tracker = tmp_path / "ckpt" / "non_persistent" / "latest_checkpointed_iteration.txt"
+    tracker.write_text("30")
+    assert _state_path_to_load(args) == f"{save}/non_persistent/iter_0000030/{STATE_FILE}"
+    tracker.write_text("25")  # older than the persistent one Megatron-LM then loaded
+    assert _state_path_to_load(args) == f"{save}/iter_0000030/{STATE_FILE}"
+    tracker.write_text("30")
+    assert _state_path_to_load(SimpleNamespace(**{**vars(args), "non_persistent_ckpt_type": None})) == \
+        f"{save}/iter_0000030/{STATE_FILE}"
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / "latest_checkpointed_iteration.txt").write_text("30")
+    assert _state_path_to_load(elsewhere) == f"{scratch}/iter_0000030/{STATE_FILE}"
 
 
 def test_megatron_lm_tokenizers_read_token_files_and_text_needs_ours():

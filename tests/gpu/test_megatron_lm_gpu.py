@@ -71,6 +71,8 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     (["--transformer-impl", "inference_optimized"], "--transformer-impl inference_optimized"),
     (["--phase-transition-iterations", "1"], "--phase-transition-iterations"),
     (["--defer-embedding-wgrad-compute"], "--defer-embedding-wgrad-compute"),
+    (["--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "local"],
+     "--non-persistent-ckpt-type local"),
 ])
 def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
     """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
@@ -271,17 +273,20 @@ def test_megatron_lm_reruns_replay_the_global_batch_and_the_balancer_learns_once
     assert [r["sb_mean_budget"] for r in rows["rerun"]] == [r["sb_mean_budget"] for r in rows["straight"]]
 
 
-def test_megatron_lm_resumes_the_distributed_optimizer_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
+def test_megatron_lm_resumes_the_distributed_optimizer_bit_for_bit(tmp_path, ckpt_format):
     """--use-distributed-optimizer (with --overlap-grad-reduce and --overlap-param-gather, as
     Megatron-LM's Llama scripts run it) saved by Megatron-LM's loop and resumed by its own
     load_checkpoint: over torch's Adam (no Transformer Engine, no apex) the resume stopped at
     megatron-core's step assertion, and would have restarted Adam's bias correction
-    (compat.mend_optimizer_loading). The resumed iterations equal the straight run's to the bit."""
+    (compat.mend_optimizer_loading). The resumed iterations equal the straight run's to the bit,
+    in Megatron-LM's default format and in its legacy one (whose optimizer state loads through
+    load_state_dict, then load_parameter_state)."""
     from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
 
     dp = min(torch.cuda.device_count(), 2)
     common = SHAPE + TRAINING + OURS + MEGATRON_LM + [
-        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ckpt-format", ckpt_format,
         "--train-iters", "4", "--lr-decay-iters", "4", "--save-interval", "100"]
 
     def run(save, *extra):
@@ -299,3 +304,40 @@ def test_megatron_lm_resumes_the_distributed_optimizer_bit_for_bit(tmp_path):
             for name in ("straight", "halves")}
     assert [r["iteration"] for r in rows["halves"]] == [1, 2, 3, 4]
     assert [r["lm_loss_hex"] for r in rows["halves"]] == [r["lm_loss_hex"] for r in rows["straight"]]
+
+
+def test_megatron_lm_resumes_from_a_non_persistent_checkpoint_bit_for_bit(tmp_path):
+    """--non-persistent-save-interval with --non-persistent-ckpt-type global: our state goes into the
+    non-persistent checkpoint Megatron-LM writes (not into --save's directories, where it left
+    iteration directories without Megatron-LM's files), and a run that dies after it, before any
+    persistent checkpoint, resumes from it (Megatron-LM's choice) to the straight run's losses."""
+    import shutil
+
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+    from megatron_sparsebalance.megatron_lm import METRICS_FILE, STATE_FILE
+
+    common = SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "4", "--lr-decay-iters", "4",
+                                                     "--save-interval", "100"]
+
+    def run(save, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m",
+               "megatron_sparsebalance.megatron_lm", *common, "--save", str(save), *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        return out.stdout
+
+    non_persistent = ["--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "global"]
+    run(tmp_path / "straight")
+    save = tmp_path / "died"
+    run(save, "--exit-interval", "3", *non_persistent)
+    assert (save / "non_persistent" / "iter_0000002" / STATE_FILE).is_file()
+    assert not (save / "iter_0000002").exists()  # nothing of a non-persistent checkpoint among the persistent ones
+    # The run dies after its third iteration, before the persistent checkpoint of its exit is written.
+    shutil.rmtree(save / "iter_0000003")
+    (save / "latest_checkpointed_iteration.txt").unlink()
+    resumed = run(save, "--load", str(save), *non_persistent)
+    assert "non-persistent" in resumed.lower(), resumed[-4000:]
+    straight = [json.loads(ln) for ln in open(tmp_path / "straight" / METRICS_FILE)]
+    died = [json.loads(ln) for ln in open(save / METRICS_FILE)]
+    assert [r["iteration"] for r in died] == [1, 2, 3, 3, 4]
+    assert [r["lm_loss_hex"] for r in died[3:]] == [r["lm_loss_hex"] for r in straight[2:]]
