@@ -316,6 +316,12 @@ def parse_megatron_args(argv=None):
         sys.argv = [saved_argv[0], *argv]
     unused_data_flags = _given_flags(sys.argv[1:], DATA_LOADER_FLAGS)
     try:
+        if _given_flags(sys.argv[1:], ("--yaml-cfg",)):
+            # Refused before parse_args, which would already have replaced the arguments by the file's.
+            raise ValueError("--yaml-cfg: Megatron-LM's experimental YAML arguments replace the whole command line "
+                             "(its own warning: argparse arguments are ignored), SparseBalance's flags with it, and "
+                             "hold them in nested sections this entry does not read: give the flags on the command "
+                             "line")
         args = parse_args(extra_args_provider=add_sparsebalance_args)
     finally:
         sys.argv = saved_argv

@@ -73,6 +73,7 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     (["--defer-embedding-wgrad-compute"], "--defer-embedding-wgrad-compute"),
     (["--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "local"],
      "--non-persistent-ckpt-type local"),
+    (["--yaml-cfg=run.yaml"], "--yaml-cfg"),
 ])
 def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
     """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
@@ -341,3 +342,27 @@ def test_megatron_lm_resumes_from_a_non_persistent_checkpoint_bit_for_bit(tmp_pa
     died = [json.loads(ln) for ln in open(save / METRICS_FILE)]
     assert [r["iteration"] for r in died] == [1, 2, 3, 3, 4]
     assert [r["lm_loss_hex"] for r in died[3:]] == [r["lm_loss_hex"] for r in straight[2:]]
+
+
+def test_megatron_lm_loop_trains_under_torch_fsdp2_and_megatron_fsdp_as_under_ddp():
+    """Megatron-LM's two FSDP wrappers in place of its DDP (DP=1 here; the parameters sharded over
+    DP where there are more GPUs): our schedule and core attention train through them, to the losses
+    of DDP's run within what the gradients' other accumulation moves (three iterations)."""
+    import re
+
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}  # FSDP asserts it unset
+    losses = {}
+    for name, extra in (("ddp", []), ("torch_fsdp2", ["--use-torch-fsdp2"]),
+                        ("megatron_fsdp", ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m",
+               "megatron_sparsebalance.megatron_lm", *SHAPE, *TRAINING, *OURS, *MEGATRON_LM,
+               "--train-iters", "3", "--lr-decay-iters", "3", *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        losses[name] = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", out.stdout)]
+        assert len(losses[name]) == 3, out.stdout[-4000:]
+    for name in ("torch_fsdp2", "megatron_fsdp"):
+        assert losses[name][0] == losses["ddp"][0]  # the same weights and batch before any update
+        assert losses[name] == pytest.approx(losses["ddp"], abs=2e-4), (name, losses)
