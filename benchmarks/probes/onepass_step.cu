@@ -1,0 +1,307 @@
+// Can a deterministic one-pass backward step at head dim 128 run faster than FA4's? (issue 44,
+// docs/FA4.md, "What it would take")
+//
+// At Qwen2.5-3B (head dim 128) our two-pass backward runs the tensor pipe 86-93% busy and still
+// trails FA4's one-pass backward: only a one-pass step can carry the 3B cases, and it must be
+// deterministic. FA4's step (one KV block of 128 keys, 64 query rows, five products) takes about
+// 3,690 cycles an SM in its kernel (69.3% of the tensor pipe at 3B 64K 25%, one H100); our two
+// passes take 2,428 + 1,678 = 4,106 for the same work. The five products alone take 2,560.
+//
+// This probe takes the one-pass step out of any kernel, as pipe_overlap.cu did for dK/dV's: one
+// CTA of two warpgroups per SM (the step's two consumers, 64 keys each), operands already in
+// shared memory, no producer, and counts cycles per step with clock64 (the power cap's clock does
+// not enter). Each role adds one piece to the last:
+//   dkdv        S^T = K Q^T, dP^T = V dO^T, P and dS, dV += P^T dO, dK += dS^T Q: our dK/dV step
+//               at 64 query rows (lse and delta read from shared memory early, as dkdv_tile does)
+//   dq_f32      + dS^T to shared memory, the two warpgroups' barrier, dQ = dS K (each warpgroup
+//               64 of the head dim's 128 columns), dQ's fp32 values stored to shared memory in
+//               register order (FA4's layout): the one-pass step's work
+//   red_f32     + a bulk reduce-add (cp.reduce.async.bulk add.f32) of each warpgroup's 16 KB into
+//               global memory, double-buffered: FA4's non-deterministic dQ
+//   red_i32cvt  the values scaled to int32 fixed point by cvt.rni (the exponentials' pipe) and
+//               added as s32: deterministic
+//   red_i32fma  the same with the split conversion of fixed_point_convert.cu (four fp32 adds and
+//               two integer operations): deterministic, off the exponentials' pipe
+// The reduce-adds go to `targets` 16 KB slots per warpgroup in turn: 1 keeps them in L2, 64 spreads
+// them over 270 MB (132 SMs) as a long sequence's dQ is spread.
+// Build and run on the GPU machine (the flags of setup.py's build):
+//   nvcc -O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
+//   -Icsrc -o /tmp/onepass_step benchmarks/probes/onepass_step.cu && /tmp/onepass_step
+// Prints one JSON object per line.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+#include <cuda_runtime.h>
+
+#include "cuda/attention_kernels_sm90.cuh"
+#include "cuda_check.h"
+
+namespace sk = sparsebalance::kernels;
+namespace s90 = sparsebalance::kernels::sm90;
+using T = __nv_bfloat16;
+
+constexpr int D = 128, QT = 64, KV_ROWS = 128, NJ = QT / 8, THREADS = 2 * s90::WG_THREADS;
+constexpr int DQ_COLS = D / 2;                     // each warpgroup's columns of dQ
+constexpr int DQ_VALUES = QT * DQ_COLS;            // a warpgroup's dQ values a step (4,096: 16 KB)
+constexpr int WARMUP = 8, ITERS = 256;
+enum Role { dkdv, dq_f32, red_f32, red_i32cvt, red_i32fma, ROLES };
+const char* const ROLE_NAMES[ROLES] = {"dkdv", "dq_f32", "red_f32", "red_i32cvt", "red_i32fma"};
+
+// Shared memory: K and V (128 keys x 128), Q and dO (64 rows x 128), two dS^T buffers (128 keys x
+// 64 queries; FA4 keeps two as well), two 16 KB dQ buffers per warpgroup, lse and delta: 192 KB and
+// 512 bytes, each tile 1024-aligned.
+constexpr int KV_TILE = KV_ROWS * D, Q_TILE = QT * D, DS_TILE = KV_ROWS * QT;
+constexpr size_t SMEM = 1024 + 2 * KV_TILE * 2 + 2 * Q_TILE * 2 + 2 * DS_TILE * 2 + 4 * DQ_VALUES * 4 + 2 * QT * 4;
+
+// d (+)= A B with both operands MN-major in shared memory (A read transposed: dS from dS^T; B
+// read transposed: K's head-dim columns), m64n64k16 bf16. wgmma.cuh has the K-major A form only.
+__device__ __forceinline__ void wgmma_ss_tt64(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+      "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, "
+      "%33, p, 1, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));
+}
+
+// A warpgroup's own barrier (named barriers 2 and 3; 1 is consumer_barrier's, 0 __syncthreads').
+__device__ __forceinline__ void own_barrier(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory"); }
+
+__device__ __forceinline__ int fixed_cvt(float y) {
+  int r;
+  asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(y));
+  return r;
+}
+// rint(y) for |y| < 2^30 - 256 on the FMA and integer pipes (fixed_point_convert.cu checks it
+// against cvt.rni on every magnitude and tie).
+__device__ __forceinline__ int fixed_split(float y) {
+  constexpr float M_HI = 3221225472.f, M_LO = 12582912.f;  // 1.5 * 2^31, 1.5 * 2^23
+  const float t = __fadd_rn(y, M_HI);
+  const float hi = __fadd_rn(t, -M_HI);
+  const float lo = __fadd_rn(y, -hi);
+  const float l = __fadd_rn(lo, M_LO);
+  return (__float_as_int(t) - __float_as_int(M_HI)) * 256 + (__float_as_int(l) - __float_as_int(M_LO));
+}
+
+struct Tiles {
+  T *Ks, *Vs, *Qs, *dOs, *dSs;  // dSs: [buffer][DS_TILE]
+  float *dq, *lse, *dl;          // dq: [wg][buffer][DQ_VALUES]
+};
+
+template <int ROLE>
+__device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&dv)[1][D / 8][4], const Tiles& t,
+                                             float* dq_global, int it, int targets, int wg, int lane, float c,
+                                             float unit) {
+  const uint64_t k_desc = s90::kmajor_tile<KV_ROWS>(t.Ks), v_desc = s90::kmajor_tile<KV_ROWS>(t.Vs);
+  const uint64_t q_k = s90::kmajor_tile<QT>(t.Qs), do_k = s90::kmajor_tile<QT>(t.dOs);
+  const uint64_t q_mn = s90::mnmajor_tile<T, QT>(t.Qs), do_mn = s90::mnmajor_tile<T, QT>(t.dOs);
+  const auto stat_pair = [&](const float* stat, int j) {
+    return *reinterpret_cast<const float2*>(stat + 8 * j + 2 * (lane % 4));
+  };
+  float st[1][NJ][4], dpt[1][NJ][4];
+  float2 lse_r[NJ], dl_r[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) lse_r[j] = stat_pair(t.lse, j);
+  s90::wgmma_fence();
+  s90::product_over_head_dim<T, D, KV_ROWS, QT>(st[0], k_desc, wg * s90::WG_ROWS, q_k);
+  s90::product_over_head_dim<T, D, KV_ROWS, QT>(dpt[0], v_desc, wg * s90::WG_ROWS, do_k);
+  s90::wgmma_wait<1>();  // S^T done
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st[0][j][e] = exp2f(fmaf(st[0][j][e], c, -(e & 1 ? lse_r[j].y : lse_r[j].x)));
+  uint32_t pa[1][QT / 16][4];
+  sk::to_a_frags<T, 1, QT>(pa, st);
+  s90::wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < QT / 16; ++s) s90::wgmma_rs_tb<T, D>(dv[0], pa[0][s], s90::mnmajor_at<T>(do_mn, 16 * s), true);
+  s90::wgmma_commit();
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) dl_r[j] = stat_pair(t.dl, j);
+  s90::wgmma_wait<1>();  // dP^T done
+  uint32_t da[1][QT / 16][4];
+#pragma unroll
+  for (int s = 0; s < QT / 16; ++s)
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {  // dS^T = P^T (dP^T - delta), in A fragments (to_a_frags' order)
+      const int j = 2 * s + h / 2, e0 = 2 * (h % 2);
+      da[0][s][h] = sk::pack2<T>(st[0][j][e0] * (dpt[0][j][e0] - dl_r[j].x),
+                                 st[0][j][e0 + 1] * (dpt[0][j][e0 + 1] - dl_r[j].y));
+    }
+  s90::wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < QT / 16; ++s) s90::wgmma_rs_tb<T, D>(dk[0], da[0][s], s90::mnmajor_at<T>(q_mn, 16 * s), true);
+  s90::wgmma_commit();
+  if constexpr (ROLE == dkdv) {
+    s90::wgmma_wait<0>();
+    return;
+  } else {
+    // dS^T to shared memory: this lane's keys (rows) 16 w + lane / 4 (+ 8) of its warpgroup's 64,
+    // its queries (columns) 16 s + 2 (lane % 4) (+ 8), two 16-bit values a word.
+    const int buffer = it & 1;
+    T* dSs = t.dSs + buffer * DS_TILE;
+    const int key0 = wg * s90::WG_ROWS + 16 * s90::warp_in_warpgroup() + lane / 4, q0 = 2 * (lane % 4);
+#pragma unroll
+    for (int s = 0; s < QT / 16; ++s)
+#pragma unroll
+      for (int h = 0; h < 4; ++h)
+        *reinterpret_cast<uint32_t*>(dSs + s90::sw128_offset<KV_ROWS>(key0 + 8 * (h % 2), 16 * s + q0 + 8 * (h / 2))) =
+            da[0][s][h];
+    s90::fence_proxy_async();
+    s90::consumer_barrier();  // both warpgroups' keys are in dS^T
+    // dQ[:, 64 wg + (0..64)] = dS K: A = dS (queries x keys) read from dS^T, B = K's columns of
+    // this warpgroup, both read transposed; 8 k-steps over the 128 keys.
+    float dq[8][4];
+    const uint64_t ds_mn = s90::mnmajor_tile<T, KV_ROWS>(dSs);
+    const uint64_t k_mn = s90::desc_at<T>(s90::mnmajor_tile<T, KV_ROWS>(t.Ks), wg * KV_ROWS * s90::SW_COLS);
+    s90::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < KV_ROWS; k += 16)
+      wgmma_ss_tt64(dq, s90::mnmajor_at<T>(ds_mn, k), s90::mnmajor_at<T>(k_mn, k), k > 0);
+    s90::wgmma_commit();
+    s90::wgmma_wait<0>();  // dK's and dQ's products done
+    // dS^T's other buffer is written next step, after its barrier: both warpgroups have then
+    // finished this step's products, which read this buffer.
+    float* dq_s = t.dq + (wg * 2 + buffer) * DQ_VALUES;
+    const bool issuer = threadIdx.x % s90::WG_THREADS == 0;
+    if constexpr (ROLE != dq_f32) {
+      // This buffer's reduce-add, issued two steps ago, has read it.
+      if (issuer) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+      own_barrier(wg);
+    }
+    // Register order, 16-byte vectors: vector i of thread x at (i * 128 + x) * 16 bytes.
+    const int x = threadIdx.x % s90::WG_THREADS;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      float4 v = make_float4(dq[i][0], dq[i][1], dq[i][2], dq[i][3]);
+      if constexpr (ROLE == red_i32cvt || ROLE == red_i32fma) {
+        // Each row's fixed-point unit (this lane's rows lane / 4 and + 8 of its warp's 16).
+        const auto fixed = [&](float y) {
+          return __int_as_float(ROLE == red_i32cvt ? fixed_cvt(y * unit) : fixed_split(y * unit));
+        };
+        v = make_float4(fixed(v.x), fixed(v.y), fixed(v.z), fixed(v.w));
+      }
+      reinterpret_cast<float4*>(dq_s)[i * s90::WG_THREADS + x] = v;
+    }
+    if constexpr (ROLE != dq_f32) {
+      s90::fence_proxy_async();
+      own_barrier(wg);
+      if (issuer) {
+        float* dst = dq_global + ((size_t)(blockIdx.x * 2 + wg) * targets + it % targets) * DQ_VALUES;
+        const uint32_t src = sk::smem_u32(dq_s);
+        if constexpr (ROLE == red_f32)
+          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                       ::"l"(dst), "r"(src), "n"(DQ_VALUES * 4) : "memory");
+        else
+          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.s32 [%0], [%1], %2;\n"
+                       ::"l"(dst), "r"(src), "n"(DQ_VALUES * 4) : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      }
+    }
+  }
+}
+
+template <int ROLE>
+__global__ void __launch_bounds__(THREADS, 1) step_kernel(const T* src, float c, float unit, int targets,
+                                                          float* dq_global, long long* cycles, float* sink) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - sk::smem_u32(smem_raw) % 1024) % 1024);
+  Tiles t;
+  t.Ks = reinterpret_cast<T*>(base);
+  t.Vs = t.Ks + KV_TILE;
+  t.Qs = t.Vs + KV_TILE;
+  t.dOs = t.Qs + Q_TILE;
+  t.dSs = t.dOs + Q_TILE;
+  t.dq = reinterpret_cast<float*>(t.dSs + 2 * DS_TILE);
+  t.lse = t.dq + 4 * DQ_VALUES;
+  t.dl = t.lse + QT;
+  // K, V, Q and dO from global memory as they lie: any bf16 values serve a timing, and the
+  // descriptors read them in the swizzled layout the kernels use.
+  for (int i = threadIdx.x; i < 2 * KV_TILE + 2 * Q_TILE; i += THREADS) t.Ks[i] = src[i];
+  for (int i = threadIdx.x; i < QT; i += THREADS) {
+    t.lse[i] = 0.25f + 0.001f * i;
+    t.dl[i] = 0.125f - 0.001f * i;
+  }
+  s90::fence_proxy_async();
+  __syncthreads();
+  const int wg = s90::warpgroup_index(), lane = threadIdx.x % 32;
+  float dk[1][D / 8][4], dv[1][D / 8][4];
+  sk::zero(dk);
+  sk::zero(dv);
+  long long t0 = 0;
+  for (int it = 0; it < WARMUP + ITERS; ++it) {
+    if (it == WARMUP) t0 = clock64();
+    onepass_step<ROLE>(dk, dv, t, dq_global, it, targets, wg, lane, c, unit);
+  }
+  const long long t1 = clock64();
+  if (threadIdx.x % s90::WG_THREADS == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  float keep = 0.f;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) keep += dk[0][j][e] + dv[0][j][e];
+  sink[blockIdx.x * THREADS + threadIdx.x] = keep;
+  if (threadIdx.x % s90::WG_THREADS == 0) cycles[blockIdx.x * 2 + wg] = t1 - t0;
+}
+
+template <int ROLE>
+int run_role(int sms, const char* gpu, const T* src, int targets, float* dq_global, long long* cycles, float* sink) {
+  CHECK(cudaFuncSetAttribute(step_kernel<ROLE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM));
+  for (int rep = 0; rep < 2; ++rep)  // the second launch is reported
+    step_kernel<ROLE><<<sms, THREADS, SMEM>>>(src, 0.18f, 1048576.f, targets, dq_global, cycles, sink);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  std::vector<long long> c(2 * sms);
+  CHECK(cudaMemcpy(c.data(), cycles, c.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  double per = 0, worst = 0;
+  for (long long x : c) {
+    per += (double)x / ITERS / c.size();
+    worst = std::max(worst, (double)x / ITERS);
+  }
+  // The products a step: S^T, dP^T, dV, dK (and dQ) of 128 keys x 64 queries x 128, at 4,096 FLOP
+  // per cycle and SM.
+  const double ideal = (ROLE == dkdv ? 4 : 5) * 2.0 * KV_ROWS * QT * D / 4096;
+  printf("{\"gpu\": \"%s\", \"role\": \"%s\", \"targets\": %d, \"cycles_per_step\": %.1f, \"slowest_warpgroup\": %.1f, "
+         "\"products_ideal\": %.0f, \"tensor_share\": %.3f}\n",
+         gpu, ROLE_NAMES[ROLE], ROLE >= red_f32 ? targets : 0, per, worst, ideal, ideal / per);
+  return 0;
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::vector<T> host(2 * KV_TILE + 2 * Q_TILE);
+  uint32_t z = 12345;
+  for (auto& x : host) {  // uniform in [-0.25, 0.25): scores of a few units, as a real step's
+    z = z * 1664525u + 1013904223u;
+    x = __float2bfloat16(((z >> 8) / 16777216.f - 0.5f) * 0.5f);
+  }
+  constexpr int MAX_TARGETS = 64;
+  T* src;
+  float *dq_global, *sink;
+  long long* cycles;
+  CHECK(cudaMalloc(&src, host.size() * sizeof(T)));
+  CHECK(cudaMalloc(&dq_global, (size_t)sms * 2 * MAX_TARGETS * DQ_VALUES * sizeof(float)));
+  CHECK(cudaMemset(dq_global, 0, (size_t)sms * 2 * MAX_TARGETS * DQ_VALUES * sizeof(float)));
+  CHECK(cudaMalloc(&cycles, 2 * sms * sizeof(long long)));
+  CHECK(cudaMalloc(&sink, (size_t)sms * THREADS * sizeof(float)));
+  CHECK(cudaMemcpy(src, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  const char* gpu = prop.name;
+  int rc = 0;
+  rc |= run_role<dkdv>(sms, gpu, src, 1, dq_global, cycles, sink);
+  rc |= run_role<dq_f32>(sms, gpu, src, 1, dq_global, cycles, sink);
+  for (int targets : {1, MAX_TARGETS}) {
+    rc |= run_role<red_f32>(sms, gpu, src, targets, dq_global, cycles, sink);
+    rc |= run_role<red_i32cvt>(sms, gpu, src, targets, dq_global, cycles, sink);
+    rc |= run_role<red_i32fma>(sms, gpu, src, targets, dq_global, cycles, sink);
+  }
+  return rc;
+}
