@@ -408,6 +408,17 @@ def _validate_loss(loss: torch.Tensor) -> None:
                                                        context="loss"))
 
 
+def _straggler_detector():
+    """Megatron-LM's straggler detector, which ``--log-straggler`` configures and reports from each
+    ``--log-interval``: the loop's own instance, read rather than built (megatron-core's
+    ``StragglerDetector`` is a singleton whose constructor resets it). It times what Megatron-LM's
+    GPT forward step times, the model's forward and the fetch of the data; with nothing timed its
+    report divides by a time of zero. Off (no flag), its timers do nothing."""
+    from megatron.training import training
+
+    return training.stimer
+
+
 def forward_step(data_iterator, model):
     """Megatron-LM's ``forward_step_func`` for our packed (THD) micro-batches.
 
@@ -422,7 +433,8 @@ def forward_step(data_iterator, model):
         # Megatron-LM's FLOPs count (--log-throughput's TFLOP/s, the checkpoints' running total) reads
         # each pack's documents from here, as its own THD path records them; evaluation is not counted.
         record_packed_lengths(batch.cu_seqlens)
-    output, loss_func = gpt_forward(batch, model)
+    with _straggler_detector():
+        output, loss_func = gpt_forward(batch, model)
 
     def megatron_lm_loss(per_token_loss):
         loss, tokens, _ = loss_func(per_token_loss)
@@ -598,7 +610,8 @@ class SparseBalanceSchedule:
         # the first run's plans are run again, and the balancer, which learned from the first run,
         # does not learn twice.
         rerun = _rerunning_in_place()
-        sample_plan, lengths, batches = next(data_iterator)
+        with _straggler_detector()(bdata=True):  # the global batch's data, on the host
+            sample_plan, lengths, batches = next(data_iterator)
         if not state.cfg.batching.variable_micro_batches and len(batches) != num_microbatches:
             raise ValueError(f"SAB planned {len(batches)} micro-batches on this rank, Megatron-LM's loop expects "
                              f"{num_microbatches}")

@@ -39,6 +39,22 @@ def test_megatron_lm_loop_trains_with_our_schedule_and_logs_our_figures(tmp_path
     assert {"forward-backward", "forward-compute", "backward-compute"} <= timed, out.stdout[-3000:]
 
 
+def test_megatron_lm_straggler_detector_times_our_forward_and_data():
+    """--log-straggler: Megatron-LM's detector reports each --log-interval from what the forward step
+    timed; our forward step and schedule time the model's forward and the global batch's data as
+    Megatron-LM's GPT forward step does (with nothing timed, its report divides by zero)."""
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+
+    argv = SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "3", "--lr-decay-iters", "3", "--log-straggler"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_sparsebalance.megatron_lm",
+           *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-6000:]
+    reports = [ln for ln in log.splitlines() if "MnRtt/Rnk" in ln]
+    assert len(reports) >= 2, log[-6000:]
+
+
 def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
 
