@@ -223,6 +223,10 @@ def _refuse_what_we_cannot_run(args) -> None:
          "--non-persistent-ckpt-type local: Megatron-LM's local checkpoints are kept by nvidia-resiliency-ext's "
          "checkpoint manager, which does not hold SparseBalance's state (sparsebalance.pt: the data order and "
          "the balancer); use --non-persistent-ckpt-type global"),
+        (getattr(args, "inprocess_restart", False),
+         "--inprocess-restart: Megatron-LM's in-process restart is a wrapper that its pretrain_gpt.py puts around "
+         "pretrain() (with nvidia-resiliency-ext); this entry has none: restart the job and resume from its "
+         "checkpoint (--load)"),
         (getattr(args, "spec", None) is not None,
          "--spec: the layer spec is ours (megatron-core's GPT layer with the sparse core attention in its "
          "core_attention slot); a spec of your own would not be built: drop --spec"),

@@ -80,6 +80,7 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(phase_transition_iterations="100,200"), "--phase-transition-iterations"),
                          (dict(defer_embedding_wgrad_compute=True), "--defer-embedding-wgrad-compute"),
                          (dict(non_persistent_ckpt_type="local"), "--non-persistent-ckpt-type local"),
+                         (dict(inprocess_restart=True), "--inprocess-restart"),
                          (dict(fp8="hybrid"), "--fp8-format hybrid"),
                          (dict(fp4="e2m1"), "--fp4-format e2m1"),
                          (dict(test_data_path=["test_docs"]), "--test-data-path"),
