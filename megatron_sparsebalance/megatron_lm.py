@@ -356,6 +356,21 @@ def parse_megatron_args(argv=None):
 # ---- the parts Megatron-LM calls --------------------------------------------------------------
 
 
+def _record_memory_history(args) -> None:
+    """--record-memory-history: torch's allocator history from the model's construction on, and a
+    snapshot written on an out-of-memory error. Megatron-LM starts both in its own
+    ``model_provider`` (which ours replaces); its loop then writes the snapshot to
+    --memory-snapshot-path every --log-interval, which without the history holds no events."""
+    if not getattr(args, "record_memory_history", False):
+        return
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def snapshot_on_oom(device, alloc, device_alloc, device_free):
+        torch.cuda.memory._dump_snapshot(f"oom_rank-{torch.distributed.get_rank()}_{args.memory_snapshot_path}")
+
+    torch._C._cuda_attach_out_of_memory_observer(snapshot_on_oom)
+
+
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     """megatron-core's GPTModel with our core attention (Megatron-LM's ``model_provider`` seam)."""
     from megatron.core.models.gpt import GPTModel
@@ -365,6 +380,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron_sparsebalance.attention.spec import get_gpt_decoder_spec, get_gpt_layer_spec
 
     args = get_args()
+    _record_memory_history(args)
     if config is None:
         config = core_transformer_config_from_args(args)
     layer = get_gpt_layer_spec(_state_config(args).sparse, normalization=args.normalization,

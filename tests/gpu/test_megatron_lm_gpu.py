@@ -55,6 +55,26 @@ def test_megatron_lm_straggler_detector_times_our_forward_and_data():
     assert len(reports) >= 2, log[-6000:]
 
 
+def test_megatron_lm_memory_snapshot_holds_the_allocators_history(tmp_path):
+    """--record-memory-history: Megatron-LM's loop writes torch's memory snapshot to
+    --memory-snapshot-path every --log-interval; the history it holds is started by the model
+    provider, Megatron-LM's or ours."""
+    import pickle
+
+    from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
+
+    path = tmp_path / "snapshot.pickle"
+    argv = SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "2", "--lr-decay-iters", "2",
+                                                    "--record-memory-history", "--memory-snapshot-path", str(path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_sparsebalance.megatron_lm",
+           *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)
+    assert sum(len(trace) for trace in snapshot["device_traces"]) > 0
+
+
 def test_megatron_lm_entry_refuses_the_interleaved_schedule():
     from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
 
