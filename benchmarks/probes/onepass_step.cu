@@ -23,12 +23,14 @@
 //   red_i32fma  the same with the split conversion of fixed_point_convert.cu (four fp32 adds and
 //               two integer operations): deterministic, off the exponentials' pipe
 // The reduce-adds go to `targets` 16 KB slots per warpgroup in turn: 1 keeps them in L2, 64 spreads
-// them over 270 MB (132 SMs) as a long sequence's dQ is spread.
+// them over 270 MB (132 SMs) as a long sequence's dQ is spread. First, the layouts of dQ's product
+// (dS^T stored from A fragments, both operands read transposed) are checked against the host.
 // Build and run on the GPU machine (the flags of setup.py's build):
 //   nvcc -O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
 //   -Icsrc -o /tmp/onepass_step benchmarks/probes/onepass_step.cu && /tmp/onepass_step
 // Prints one JSON object per line.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -94,6 +96,29 @@ struct Tiles {
   float *dq, *lse, *dl;          // dq: [wg][buffer][DQ_VALUES]
 };
 
+// dS^T to shared memory: this lane's keys (rows) 16 w + lane / 4 (+ 8) of its warpgroup's 64, its
+// queries (columns) 16 s + 2 (lane % 4) (+ 8), two 16-bit values a word (to_a_frags' order).
+__device__ __forceinline__ void store_ds_t(T* dSs, const uint32_t (&da)[1][QT / 16][4], int wg, int lane) {
+  const int key0 = wg * s90::WG_ROWS + 16 * s90::warp_in_warpgroup() + lane / 4, q0 = 2 * (lane % 4);
+#pragma unroll
+  for (int s = 0; s < QT / 16; ++s)
+#pragma unroll
+    for (int h = 0; h < 4; ++h)
+      *reinterpret_cast<uint32_t*>(dSs + s90::sw128_offset<KV_ROWS>(key0 + 8 * (h % 2), 16 * s + q0 + 8 * (h / 2))) =
+          da[0][s][h];
+}
+
+// dQ[:, 64 wg + (0..64)] = dS K: A = dS (queries x keys) read from dS^T, B = this warpgroup's
+// columns of K, both read transposed; 8 k-steps over the 128 keys, committed (not waited for).
+__device__ __forceinline__ void dq_product(float (&dq)[8][4], const T* dSs, const T* Ks, int wg) {
+  const uint64_t ds_mn = s90::mnmajor_tile<T, KV_ROWS>(dSs);
+  const uint64_t k_mn = s90::desc_at<T>(s90::mnmajor_tile<T, KV_ROWS>(Ks), wg * KV_ROWS * s90::SW_COLS);
+  s90::wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < KV_ROWS; k += 16) wgmma_ss_tt64(dq, s90::mnmajor_at<T>(ds_mn, k), s90::mnmajor_at<T>(k_mn, k), k > 0);
+  s90::wgmma_commit();
+}
+
 template <int ROLE>
 __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&dv)[1][D / 8][4], const Tiles& t,
                                              float* dq_global, int it, int targets, int wg, int lane, float c,
@@ -142,29 +167,13 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
     s90::wgmma_wait<0>();
     return;
   } else {
-    // dS^T to shared memory: this lane's keys (rows) 16 w + lane / 4 (+ 8) of its warpgroup's 64,
-    // its queries (columns) 16 s + 2 (lane % 4) (+ 8), two 16-bit values a word.
     const int buffer = it & 1;
     T* dSs = t.dSs + buffer * DS_TILE;
-    const int key0 = wg * s90::WG_ROWS + 16 * s90::warp_in_warpgroup() + lane / 4, q0 = 2 * (lane % 4);
-#pragma unroll
-    for (int s = 0; s < QT / 16; ++s)
-#pragma unroll
-      for (int h = 0; h < 4; ++h)
-        *reinterpret_cast<uint32_t*>(dSs + s90::sw128_offset<KV_ROWS>(key0 + 8 * (h % 2), 16 * s + q0 + 8 * (h / 2))) =
-            da[0][s][h];
+    store_ds_t(dSs, da, wg, lane);
     s90::fence_proxy_async();
     s90::consumer_barrier();  // both warpgroups' keys are in dS^T
-    // dQ[:, 64 wg + (0..64)] = dS K: A = dS (queries x keys) read from dS^T, B = K's columns of
-    // this warpgroup, both read transposed; 8 k-steps over the 128 keys.
     float dq[8][4];
-    const uint64_t ds_mn = s90::mnmajor_tile<T, KV_ROWS>(dSs);
-    const uint64_t k_mn = s90::desc_at<T>(s90::mnmajor_tile<T, KV_ROWS>(t.Ks), wg * KV_ROWS * s90::SW_COLS);
-    s90::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < KV_ROWS; k += 16)
-      wgmma_ss_tt64(dq, s90::mnmajor_at<T>(ds_mn, k), s90::mnmajor_at<T>(k_mn, k), k > 0);
-    s90::wgmma_commit();
+    dq_product(dq, dSs, t.Ks, wg);
     s90::wgmma_wait<0>();  // dK's and dQ's products done
     // dS^T's other buffer is written next step, after its barrier: both warpgroups have then
     // finished this step's products, which read this buffer.
@@ -250,6 +259,74 @@ __global__ void __launch_bounds__(THREADS, 1) step_kernel(const T* src, float c,
   if (threadIdx.x % s90::WG_THREADS == 0) cycles[blockIdx.x * 2 + wg] = t1 - t0;
 }
 
+// The dQ product's layouts, checked before any timing: dS^T stored from A fragments as the step
+// stores them, dQ = dS K by the two transposed reads, written out by the accumulator's layout,
+// against the host's product of the same values (a kernel built on this step needs them right).
+__global__ void __launch_bounds__(THREADS, 1) dq_layout_kernel(const T* ds /* [QT][KV_ROWS] */,
+                                                               const T* k /* [KV_ROWS][D] */, float* dq_out) {
+  extern __shared__ unsigned char smem_raw[];
+  T* Ks = reinterpret_cast<T*>(smem_raw + ((1024 - sk::smem_u32(smem_raw) % 1024) % 1024));
+  T* dSs = Ks + KV_TILE;
+  for (int i = threadIdx.x; i < KV_TILE; i += THREADS) Ks[s90::sw128_offset<KV_ROWS>(i / D, i % D)] = k[i];
+  const int wg = s90::warpgroup_index(), lane = threadIdx.x % 32, w = s90::warp_in_warpgroup();
+  const int key0 = wg * s90::WG_ROWS + 16 * w + lane / 4, q0 = 2 * (lane % 4);
+  uint32_t da[1][QT / 16][4];
+#pragma unroll
+  for (int s = 0; s < QT / 16; ++s)
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {  // this word's key and its two queries, as store_ds_t reads them
+      const int key = key0 + 8 * (h % 2), q = 16 * s + q0 + 8 * (h / 2);
+      da[0][s][h] = sk::pack2<T>(__bfloat162float(ds[q * KV_ROWS + key]), __bfloat162float(ds[(q + 1) * KV_ROWS + key]));
+    }
+  store_ds_t(dSs, da, wg, lane);
+  s90::fence_proxy_async();
+  __syncthreads();
+  float dq[8][4];
+  dq_product(dq, dSs, Ks, wg);
+  s90::wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      dq_out[(16 * w + lane / 4 + 8 * (e / 2)) * D + wg * DQ_COLS + 8 * j + 2 * (lane % 4) + e % 2] = dq[j][e];
+}
+
+int check_dq_layout(const char* gpu, const std::vector<T>& host_k) {
+  std::vector<T> host_ds(QT * KV_ROWS);
+  uint32_t z = 777;
+  for (auto& x : host_ds) {
+    z = z * 1664525u + 1013904223u;
+    x = __float2bfloat16((z >> 8) / 16777216.f - 0.5f);
+  }
+  std::vector<float> ref(QT * D, 0.f), got(QT * D);
+  for (int q = 0; q < QT; ++q)
+    for (int key = 0; key < KV_ROWS; ++key)
+      for (int d = 0; d < D; ++d)
+        ref[q * D + d] += __bfloat162float(host_ds[q * KV_ROWS + key]) * __bfloat162float(host_k[key * D + d]);
+  T *ds, *k;
+  float* out;
+  CHECK(cudaMalloc(&ds, host_ds.size() * sizeof(T)));
+  CHECK(cudaMalloc(&k, KV_TILE * sizeof(T)));
+  CHECK(cudaMalloc(&out, got.size() * sizeof(float)));
+  CHECK(cudaMemcpy(ds, host_ds.data(), host_ds.size() * sizeof(T), cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(k, host_k.data(), KV_TILE * sizeof(T), cudaMemcpyHostToDevice));
+  const int smem = 1024 + (KV_TILE + DS_TILE) * 2;
+  CHECK(cudaFuncSetAttribute(dq_layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  dq_layout_kernel<<<1, THREADS, smem>>>(ds, k, out);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  CHECK(cudaMemcpy(got.data(), out, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  double err = 0, scale = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    err = std::max(err, (double)std::fabs(got[i] - ref[i]));
+    scale = std::max(scale, (double)std::fabs(ref[i]));
+  }
+  const bool ok = err <= 1e-4 * scale;
+  printf("{\"gpu\": \"%s\", \"check\": \"dq_layout\", \"max_abs_err\": %.3g, \"max_abs\": %.3g, \"ok\": %s}\n", gpu, err,
+         scale, ok ? "true" : "false");
+  return ok ? 0 : 1;
+}
+
 template <int ROLE>
 int run_role(int sms, const char* gpu, const T* src, int targets, float* dq_global, long long* cycles, float* sink) {
   CHECK(cudaFuncSetAttribute(step_kernel<ROLE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM));
@@ -295,7 +372,7 @@ int main() {
   CHECK(cudaMalloc(&sink, (size_t)sms * THREADS * sizeof(float)));
   CHECK(cudaMemcpy(src, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
   const char* gpu = prop.name;
-  int rc = 0;
+  int rc = check_dq_layout(gpu, std::vector<T>(host.begin(), host.begin() + KV_TILE));  // K: the tiles' first
   rc |= run_role<dkdv>(sms, gpu, src, 1, dq_global, cycles, sink);
   rc |= run_role<dq_f32>(sms, gpu, src, 1, dq_global, cycles, sink);
   for (int targets : {1, MAX_TARGETS}) {
