@@ -304,6 +304,11 @@ DATA_LOADER_FLAGS = ("--num-workers", "--data-cache-path", "--no-mmap-bin-files"
                      "--allow-ambiguous-pad-tokens")
 
 
+# What Megatron-LM's pretrain_gpt.py passes to its loop as ``args_defaults`` (0.19.2): a launch
+# script written for it may leave these out.
+PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
 def _given_flags(argv: list, flags: tuple) -> list:
     """Which of ``flags`` ``argv`` gives (Megatron-LM's parser takes no abbreviations)."""
     return [flag for flag in flags if any(a == flag or a.startswith(flag + "=") for a in argv)]
@@ -337,7 +342,7 @@ def parse_megatron_args(argv=None):
 
         load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
         load_args_from_checkpoint(args)
-    validate_args(args, {})
+    validate_args(args, PRETRAIN_GPT_DEFAULTS)
     if getattr(args, "iterations_to_skip", None):
         # Megatron-LM skips an iteration by drawing its micro-batches as dicts of its own batch format.
         raise ValueError(f"--iterations-to-skip {args.iterations_to_skip} (given, or read from "
