@@ -22,6 +22,8 @@
 //               added as s32: deterministic
 //   red_i32fma  the same with the split conversion of fixed_point_convert.cu (four fp32 adds and
 //               two integer operations): deterministic, off the exponentials' pipe
+//   red_i32fma_dq_first  the same with dQ's product issued before dK's, so that dQ's conversion
+//               and store run while dK's product does (the order of issue 44's third fused build)
 // The reduce-adds go to `targets` 16 KB slots per warpgroup in turn: 1 keeps them in L2, 64 spreads
 // them over 270 MB (132 SMs) as a long sequence's dQ is spread. First, the layouts of dQ's product
 // (dS^T stored from A fragments, both operands read transposed) are checked against the host.
@@ -47,8 +49,8 @@ constexpr int D = 128, QT = 64, KV_ROWS = 128, NJ = QT / 8, THREADS = 2 * s90::W
 constexpr int DQ_COLS = D / 2;                     // each warpgroup's columns of dQ
 constexpr int DQ_VALUES = QT * DQ_COLS;            // a warpgroup's dQ values a step (4,096: 16 KB)
 constexpr int WARMUP = 8, ITERS = 256;
-enum Role { dkdv, dq_f32, red_f32, red_i32cvt, red_i32fma, ROLES };
-const char* const ROLE_NAMES[ROLES] = {"dkdv", "dq_f32", "red_f32", "red_i32cvt", "red_i32fma"};
+enum Role { dkdv, dq_f32, red_f32, red_i32cvt, red_i32fma, red_i32fma_dq_first, ROLES };
+const char* const ROLE_NAMES[ROLES] = {"dkdv", "dq_f32", "red_f32", "red_i32cvt", "red_i32fma", "red_i32fma_dq_first"};
 
 // Shared memory: K and V (128 keys x 128), Q and dO (64 rows x 128), two dS^T buffers (128 keys x
 // 64 queries; FA4 keeps two as well), two 16 KB dQ buffers per warpgroup, lse and delta: 192 KB and
@@ -159,10 +161,14 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
       da[0][s][h] = sk::pack2<T>(st[0][j][e0] * (dpt[0][j][e0] - dl_r[j].x),
                                  st[0][j][e0 + 1] * (dpt[0][j][e0 + 1] - dl_r[j].y));
     }
-  s90::wgmma_fence();
+  constexpr bool DQ_FIRST = ROLE == red_i32fma_dq_first;
+  const auto dk_product = [&] {
+    s90::wgmma_fence();
 #pragma unroll
-  for (int s = 0; s < QT / 16; ++s) s90::wgmma_rs_tb<T, D>(dk[0], da[0][s], s90::mnmajor_at<T>(q_mn, 16 * s), true);
-  s90::wgmma_commit();
+    for (int s = 0; s < QT / 16; ++s) s90::wgmma_rs_tb<T, D>(dk[0], da[0][s], s90::mnmajor_at<T>(q_mn, 16 * s), true);
+    s90::wgmma_commit();
+  };
+  if constexpr (!DQ_FIRST) dk_product();
   if constexpr (ROLE == dkdv) {
     s90::wgmma_wait<0>();
     return;
@@ -174,7 +180,12 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
     s90::consumer_barrier();  // both warpgroups' keys are in dS^T
     float dq[8][4];
     dq_product(dq, dSs, t.Ks, wg);
-    s90::wgmma_wait<0>();  // dK's and dQ's products done
+    if constexpr (DQ_FIRST) {
+      dk_product();
+      s90::wgmma_wait<1>();  // dQ's product done; dK's runs on
+    } else {
+      s90::wgmma_wait<0>();  // dK's and dQ's products done
+    }
     // dS^T's other buffer is written next step, after its barrier: both warpgroups have then
     // finished this step's products, which read this buffer.
     float* dq_s = t.dq + (wg * 2 + buffer) * DQ_VALUES;
@@ -189,8 +200,9 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       float4 v = make_float4(dq[i][0], dq[i][1], dq[i][2], dq[i][3]);
-      if constexpr (ROLE == red_i32cvt || ROLE == red_i32fma) {
-        // Each row's fixed-point unit (this lane's rows lane / 4 and + 8 of its warp's 16).
+      if constexpr (ROLE == red_i32cvt || ROLE == red_i32fma || DQ_FIRST) {
+        // One fixed-point unit here; a kernel holds one per query row (two a thread), the same
+        // multiply a value.
         const auto fixed = [&](float y) {
           return __int_as_float(ROLE == red_i32cvt ? fixed_cvt(y * unit) : fixed_split(y * unit));
         };
@@ -213,6 +225,7 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
       }
     }
+    if constexpr (DQ_FIRST) s90::wgmma_wait<0>();  // dK's product, before the next step's
   }
 }
 
@@ -379,6 +392,7 @@ int main() {
     rc |= run_role<red_f32>(sms, gpu, src, targets, dq_global, cycles, sink);
     rc |= run_role<red_i32cvt>(sms, gpu, src, targets, dq_global, cycles, sink);
     rc |= run_role<red_i32fma>(sms, gpu, src, targets, dq_global, cycles, sink);
+    rc |= run_role<red_i32fma_dq_first>(sms, gpu, src, targets, dq_global, cycles, sink);
   }
   return rc;
 }
