@@ -616,7 +616,8 @@ class SparseBalanceSchedule:
     """Megatron-LM's ``forward_backward_func``: one global batch planned by SAB and DST, run by our 1F1B."""
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length=None,
-                 micro_batch_size=None, decoder_seq_length=None, forward_only=False, **unused):
+                 micro_batch_size=None, decoder_seq_length=None, forward_only=False, force_all_reduce=False,
+                 **unused):
         from megatron_sparsebalance.pipeline.schedule import forward_backward_sparsebalance
         from megatron_sparsebalance.training.step import pipeline_plans
 
@@ -654,7 +655,8 @@ class SparseBalanceSchedule:
         plan.measure = not forward_only
         reports = forward_backward_sparsebalance(
             forward_step_func=forward_step_func, data_iterator=iter([b.to(state.device) for b in batches]),
-            model=model, num_microbatches=len(batches), plan=plan, forward_only=forward_only)
+            model=model, num_microbatches=len(batches), plan=plan, forward_only=forward_only,
+            force_all_reduce=force_all_reduce)
         if forward_only or plan.measured is None:
             return reports
         metrics = plan.measured

@@ -95,7 +95,7 @@ def stage_key_to_full(key: str, pp_rank: int, pp: int) -> str:
     return key
 
 
-def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget, ddp=False):
+def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget, ddp=False, force_all_reduce=False):
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     rank = parallel_state.get_pipeline_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -108,7 +108,12 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget, ddp=False):
     if ddp:  # megatron-core's DDP: grads in main_grad, reduced over DP once per global batch
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-        model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        # force_all_reduce: the distributed optimizer's layout, whose reduce-scatter leaves each rank
+        # its own shard reduced; Megatron-LM asks for an all-reduce in the iterations whose gradients
+        # it saves (--save-wgrads-interval), and the schedule must pass that on (gloo has no
+        # reduce-scatter: ignored, the reduction would fail here).
+        model = DistributedDataParallel(
+            cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=force_all_reduce), model)
         cfg.no_sync_func = model.no_sync
         cfg.finalize_model_grads_func = finalize_model_grads
         model.zero_grad_buffer()
@@ -127,7 +132,7 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget, ddp=False):
         cfg.no_sync_func, cfg.grad_sync_func = cfg.timers.no_sync, cfg.timers.grad_sync
     losses = forward_backward_sparsebalance(
         forward_step_func=recorded_forward_step, data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=0, micro_batch_size=1, plan=plan,
+        num_microbatches=len(batches), seq_length=0, micro_batch_size=1, plan=plan, force_all_reduce=force_all_reduce,
     )
     # Megatron-LM's timers, started and stopped in pairs under megatron-core's names and levels.
     n = len(batches)

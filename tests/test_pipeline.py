@@ -12,9 +12,11 @@ from tests.distributed import launch_cases, once_per_run, relayout
 
 VARIED = [[130, 64], [448], [64, 64, 200], [321]]  # four micro-batches of unequal packs
 SEED = 7
-# DP=2 x PP=2 with plain gradients and with megatron-core's DDP (its gradients reduced over DP)
+# DP=2 x PP=2 with plain gradients and with megatron-core's DDP (its gradients reduced over DP), also
+# in the distributed optimizer's layout with the all-reduce Megatron-LM asks for to save gradients
 DP2 = [VARIED, [[200], [64, 64], [100, 28], [512]]]
-DP2_VARIANTS = (("no-ddp", 2, False), ("megatron-ddp", 2, True))
+DP2_VARIANTS = (("no-ddp", 2, False, False), ("megatron-ddp", 2, True, False),
+                ("megatron-ddp-sharded-all-reduce", 2, True, True))
 # PP=4 at the full budget, each equal to the single process
 EDGES = {"one-micro-batch": [[300]], "fewer-than-stages": [[64], [900], [65]],
          "very-unequal": [[1500, 3], [64], [70], [2], [64, 64]]}
@@ -38,9 +40,9 @@ def launch_all(root):
     reference = launch_cases([(name, pipeline_cases.reference, (w, r, lengths, SEED)) for name, (w, r, lengths) in refs.items()],
                              world=1, done_dir=str(root / "done_ref"))
 
-    def pipelined(name, budget=2, ddp=False):
+    def pipelined(name, budget=2, ddp=False, force_all_reduce=False):
         w, r, lengths = refs[name]
-        return pipeline_cases.pipelined, (w, r, lengths, SEED, budget, ddp)
+        return pipeline_cases.pipelined, (w, r, lengths, SEED, budget, ddp, force_all_reduce)
 
     bench_dir = root / "bench"
     bench_dir.mkdir()
@@ -56,7 +58,7 @@ def launch_all(root):
         ("varied", *pipelined("varied")),
         *((name, *pipelined(name, budget=None)) for name in EDGES),
         ("regroup", relayout, (1, 2)),
-        *((variant, *pipelined("dp2", budget, ddp)) for variant, budget, ddp in DP2_VARIANTS),
+        *((variant, *pipelined("dp2", budget, ddp, all_reduce)) for variant, budget, ddp, all_reduce in DP2_VARIANTS),
     ], world=4, pp=4, done_dir=str(root / "done_w4"), timeout_s=400)
     return dict(reference=reference, pp2=pp2, world4=world4, bench_dir=bench_dir)
 
@@ -71,7 +73,7 @@ def test_dp2_pp2_equals_single_process(launches):
     """DP=2 x PP=2 with plain gradients and with megatron-core's DDP, one reference for both."""
     launches["reference"].check("dp2")
     launches["world4"].check("regroup")
-    for variant, _, _ in DP2_VARIANTS:
+    for variant, *_ in DP2_VARIANTS:
         launches["world4"].check(variant)
 
 

@@ -94,13 +94,17 @@ def forward_backward_sparsebalance(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
+    force_all_reduce: bool = False,
     plan: PipelinePlan,
     **unused,
 ) -> list:
     """Run one global batch's micro-batches through this stage; returns the last stage's loss reports.
 
     ``seq_length`` and ``micro_batch_size`` are accepted for signature compatibility and not
-    used: shapes come from ``plan``.
+    used: shapes come from ``plan``. ``force_all_reduce`` (megatron-core's): the gradients are
+    all-reduced over DP even where the distributed optimizer reduce-scatters them, so that every
+    rank holds them whole (Megatron-LM asks for it in the iterations whose gradients it saves,
+    --save-wgrads-interval).
     """
     if isinstance(model, list):
         if len(model) != 1:
@@ -237,7 +241,9 @@ def forward_backward_sparsebalance(
     sync_held.close()
 
     if not forward_only and config.finalize_model_grads_func is not None:
-        config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
+        # Passed only when asked for: a finalize function of the caller's may not take it.
+        extra = {"force_all_reduce": True} if force_all_reduce else {}
+        config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None, **extra)
     timer("forward-backward").stop()
 
     if plan.measure:
