@@ -250,6 +250,11 @@ def _refuse_what_we_cannot_run(args) -> None:
          "--rampup-batch-size / --step-batch-size-schedule / --decrease-batch-size-if-needed: SAB plans every "
          "global batch at --global-batch-size, and Megatron-LM's loop would expect another micro-batch count "
          "(a global batch size that changes during training is not built)"),
+        (getattr(args, "eval_global_batch_size", None) not in (None, args.global_batch_size)
+         or getattr(args, "eval_micro_batch_size", None) not in (None, args.micro_batch_size),
+         "--eval-global-batch-size / --eval-micro-batch-size other than the training sizes: SparseBalance plans "
+         "the validation stream's global batches as the training ones (SAB at --global-batch-size and "
+         "--micro-batch-size); drop the flags"),
         (getattr(args, "variable_micro_batches", False) and not args.calculate_per_token_loss,
          "--variable-micro-batches needs --calculate-per-token-loss: a micro-batch count that changes between "
          "iterations is exact only with per-token normalization"),

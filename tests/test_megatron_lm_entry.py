@@ -47,7 +47,8 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                 multi_latent_attention=False, mtp_num_layers=None, heterogeneous_layers_config_path=None,
                 experimental_attention_variant=None, spec=None, num_layers=4, window_size=None,
                 window_attn_skip_freq=None, softmax_type="vanilla", transformer_impl="local",
-                layernorm_zero_centered_gamma=False, normalization="RMSNorm")
+                layernorm_zero_centered_gamma=False, normalization="RMSNorm", global_batch_size=16,
+                micro_batch_size=2)
     _refuse_what_we_cannot_run(SimpleNamespace(**fine))
     # Every layer is checked: a --window-attn-skip-freq pattern that makes each layer full attention uses no window.
     _refuse_what_we_cannot_run(SimpleNamespace(**{**fine, "window_size": (64, 0), "window_attn_skip_freq": [0] * 4}))
@@ -81,6 +82,8 @@ def test_what_the_plugin_cannot_run_is_refused_by_name():
                          (dict(defer_embedding_wgrad_compute=True), "--defer-embedding-wgrad-compute"),
                          (dict(non_persistent_ckpt_type="local"), "--non-persistent-ckpt-type local"),
                          (dict(inprocess_restart=True), "--inprocess-restart"),
+                         (dict(eval_global_batch_size=32, global_batch_size=16), "--eval-global-batch-size"),
+                         (dict(eval_micro_batch_size=1, micro_batch_size=2), "--eval-micro-batch-size"),
                          (dict(fp8="hybrid"), "--fp8-format hybrid"),
                          (dict(fp4="e2m1"), "--fp4-format e2m1"),
                          (dict(test_data_path=["test_docs"]), "--test-data-path"),

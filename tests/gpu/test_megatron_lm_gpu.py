@@ -111,6 +111,7 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
      "--non-persistent-ckpt-type local"),
     (["--yaml-cfg=run.yaml"], "--yaml-cfg"),
     (["--inprocess-restart"], "--inprocess-restart"),
+    (["--eval-global-batch-size", "32"], "--eval-global-batch-size"),
 ])
 def test_megatron_lm_parser_flags_we_cannot_run_are_refused_before_any_process_group(extra, flag):
     """Through Megatron-LM's own parser (the names its arguments get there), in this process: the
