@@ -110,8 +110,8 @@ def pipelined(weights_path, ref_path, lengths_per_dp, seed, budget, ddp=False, f
 
         # force_all_reduce: the distributed optimizer's layout, whose reduce-scatter leaves each rank
         # its own shard reduced; Megatron-LM asks for an all-reduce in the iterations whose gradients
-        # it saves (--save-wgrads-interval), and the schedule must pass that on (gloo has no
-        # reduce-scatter: ignored, the reduction would fail here).
+        # it saves (--save-wgrads-interval), and the schedule must pass that on (ignored, the
+        # main_grad checks below fail outside each rank's shard).
         model = DistributedDataParallel(
             cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=force_all_reduce), model)
         cfg.no_sync_func = model.no_sync
