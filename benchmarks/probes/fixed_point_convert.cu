@@ -28,28 +28,10 @@
 #include <cuda_runtime.h>
 
 #include "cuda_check.h"
+#include "fixed_point.cuh"
 
 constexpr int THREADS = 256, VALUES = 64, SUMS = 4;
-constexpr float M_HI = 3221225472.f;  // 1.5 * 2^31
-constexpr float M_LO = 12582912.f;    // 1.5 * 2^23
-
 enum class Convert { none, cvt, split };
-
-__device__ __forceinline__ int fixed_cvt(float y) {
-  int r;
-  asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(y));
-  return r;
-}
-
-// __fadd_rn: each add rounds on its own (never contracted into an FMA, whose single rounding
-// would change t and l).
-__device__ __forceinline__ int fixed_split(float y) {
-  const float t = __fadd_rn(y, M_HI);
-  const float hi = __fadd_rn(t, -M_HI);
-  const float lo = __fadd_rn(y, -hi);
-  const float l = __fadd_rn(lo, M_LO);
-  return (__float_as_int(t) - __float_as_int(M_HI)) * 256 + (__float_as_int(l) - __float_as_int(M_LO));
-}
 
 __device__ __forceinline__ float ex2(float x) {
   float r;

@@ -40,6 +40,7 @@
 
 #include "cuda/attention_kernels_sm90.cuh"
 #include "cuda_check.h"
+#include "fixed_point.cuh"
 
 namespace sk = sparsebalance::kernels;
 namespace s90 = sparsebalance::kernels::sm90;
@@ -76,22 +77,6 @@ __device__ __forceinline__ void wgmma_ss_tt64(float (&d)[8][4], uint64_t desc_a,
 
 // A warpgroup's own barrier (named barriers 2 and 3; 1 is consumer_barrier's, 0 __syncthreads').
 __device__ __forceinline__ void own_barrier(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory"); }
-
-__device__ __forceinline__ int fixed_cvt(float y) {
-  int r;
-  asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(y));
-  return r;
-}
-// rint(y) for |y| < 2^30 - 256 on the FMA and integer pipes (fixed_point_convert.cu checks it
-// against cvt.rni on every magnitude and tie).
-__device__ __forceinline__ int fixed_split(float y) {
-  constexpr float M_HI = 3221225472.f, M_LO = 12582912.f;  // 1.5 * 2^31, 1.5 * 2^23
-  const float t = __fadd_rn(y, M_HI);
-  const float hi = __fadd_rn(t, -M_HI);
-  const float lo = __fadd_rn(y, -hi);
-  const float l = __fadd_rn(lo, M_LO);
-  return (__float_as_int(t) - __float_as_int(M_HI)) * 256 + (__float_as_int(l) - __float_as_int(M_LO));
-}
 
 struct Tiles {
   T *Ks, *Vs, *Qs, *dOs, *dSs;  // dSs: [buffer][DS_TILE]
@@ -272,6 +257,16 @@ __global__ void __launch_bounds__(THREADS, 1) step_kernel(const T* src, float c,
   if (threadIdx.x % s90::WG_THREADS == 0) cycles[blockIdx.x * 2 + wg] = t1 - t0;
 }
 
+// n bf16 values uniform in [-width / 2, width / 2), from a linear congruential generator seeded with seed.
+std::vector<T> uniform_bf16(size_t n, uint32_t seed, float width) {
+  std::vector<T> v(n);
+  for (auto& x : v) {
+    seed = seed * 1664525u + 1013904223u;
+    x = __float2bfloat16(((seed >> 8) / 16777216.f - 0.5f) * width);
+  }
+  return v;
+}
+
 // The dQ product's layouts, checked before any timing: dS^T stored from A fragments as the step
 // stores them, dQ = dS K by the two transposed reads, written out by the accumulator's layout,
 // against the host's product of the same values (a kernel built on this step needs them right).
@@ -305,12 +300,7 @@ __global__ void __launch_bounds__(THREADS, 1) dq_layout_kernel(const T* ds /* [Q
 }
 
 int check_dq_layout(const char* gpu, const std::vector<T>& host_k) {
-  std::vector<T> host_ds(QT * KV_ROWS);
-  uint32_t z = 777;
-  for (auto& x : host_ds) {
-    z = z * 1664525u + 1013904223u;
-    x = __float2bfloat16((z >> 8) / 16777216.f - 0.5f);
-  }
+  const std::vector<T> host_ds = uniform_bf16(QT * KV_ROWS, 777, 1.f);
   std::vector<float> ref(QT * D, 0.f), got(QT * D);
   for (int q = 0; q < QT; ++q)
     for (int key = 0; key < KV_ROWS; ++key)
@@ -368,12 +358,8 @@ int main() {
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::vector<T> host(2 * KV_TILE + 2 * Q_TILE);
-  uint32_t z = 12345;
-  for (auto& x : host) {  // uniform in [-0.25, 0.25): scores of a few units, as a real step's
-    z = z * 1664525u + 1013904223u;
-    x = __float2bfloat16(((z >> 8) / 16777216.f - 0.5f) * 0.5f);
-  }
+  // Uniform in [-0.25, 0.25): scores of a few units, as a real step's.
+  const std::vector<T> host = uniform_bf16(2 * KV_TILE + 2 * Q_TILE, 12345, 0.5f);
   constexpr int MAX_TARGETS = 64;
   T* src;
   float *dq_global, *sink;
