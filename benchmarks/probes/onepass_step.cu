@@ -24,6 +24,23 @@
 //               two integer operations): deterministic, off the exponentials' pipe
 //   red_i32fma_dq_first  the same with dQ's product issued before dK's, so that dQ's conversion
 //               and store run while dK's product does (the order of issue 44's third fused build)
+// The roles above make both warpgroups meet at a barrier every step (dQ's product reads both
+// warpgroups' keys of dS^T), which keeps them from running out of phase, where one warpgroup's
+// exponentials overlap the other's products as in dK/dV's step. The own-keys roles drop that
+// barrier: each warpgroup forms dQ over its own 64 keys only, all 128 columns in two products of
+// 64, and reduce-adds both partials (twice the adds, into the same slots as the other warpgroup's):
+//   own_f32     in fp32, dQ's first half issued before dK's product (non-deterministic)
+//   own_i32fma  in int32 by the split conversion, the same order (deterministic: integer adds
+//               give one sum in any order)
+//   own_i32fma_dk_first  the same with dK's product issued before dQ's
+// The FA4-order roles take FA4's SM90 step as flash-attn-4 4.0.0b36 orders it (flash_bwd_sm90.py,
+// read): dP^T waited for before dV's product is issued, dS^T stored, both warpgroups' barrier,
+// dQ's product, then dK's, and dQ's values handed to a writer warp of a third warpgroup (named
+// barriers, one buffer per warpgroup), which issues the reduce-adds; 384 threads, setmaxnreg
+// giving the consumers 240 registers as a kernel with a producer would:
+//   fa4_f32     fp32 adds: FA4's step, the calibration against its in-kernel 3,690 cycles
+//   fa4_i32cvt  int32 fixed point by cvt.rni: deterministic
+//   fa4_i32fma  int32 fixed point by the split conversion: deterministic
 // The reduce-adds go to `targets` 16 KB slots per warpgroup in turn: 1 keeps them in L2, 64 spreads
 // them over 270 MB (132 SMs) as a long sequence's dQ is spread. First, the layouts of dQ's product
 // (dS^T stored from A fragments, both operands read transposed) are checked against the host.
@@ -50,8 +67,21 @@ constexpr int D = 128, QT = 64, KV_ROWS = 128, NJ = QT / 8, THREADS = 2 * s90::W
 constexpr int DQ_COLS = D / 2;                     // each warpgroup's columns of dQ
 constexpr int DQ_VALUES = QT * DQ_COLS;            // a warpgroup's dQ values a step (4,096: 16 KB)
 constexpr int WARMUP = 8, ITERS = 256;
-enum Role { dkdv, dq_f32, red_f32, red_i32cvt, red_i32fma, red_i32fma_dq_first, ROLES };
-const char* const ROLE_NAMES[ROLES] = {"dkdv", "dq_f32", "red_f32", "red_i32cvt", "red_i32fma", "red_i32fma_dq_first"};
+enum Role {
+  dkdv, dq_f32, red_f32, red_i32cvt, red_i32fma, red_i32fma_dq_first, own_f32, own_i32fma, own_i32fma_dk_first,
+  fa4_f32, fa4_i32cvt, fa4_i32fma, ROLES
+};
+const char* const ROLE_NAMES[ROLES] = {
+    "dkdv",    "dq_f32",     "red_f32",    "red_i32cvt", "red_i32fma", "red_i32fma_dq_first", "own_f32", "own_i32fma",
+    "own_i32fma_dk_first", "fa4_f32", "fa4_i32cvt", "fa4_i32fma"};
+// How a role adds dQ: in int32 fixed point (else fp32), converted by cvt.rni (else by the split).
+constexpr bool adds_fixed(int role) { return role != red_f32 && role != own_f32 && role != fa4_f32; }
+constexpr bool converts_by_cvt(int role) { return role == red_i32cvt || role == fa4_i32cvt; }
+// The FA4-order roles run a third warpgroup, whose first warp issues the adds.
+constexpr bool has_writer(int role) { return role >= fa4_f32; }
+constexpr int threads_of(int role) { return has_writer(role) ? 3 * s90::WG_THREADS : THREADS; }
+constexpr int WRITER_REGS = 24, CONSUMER_REGS = 240;
+static_assert(s90::fits_register_pool(WRITER_REGS, CONSUMER_REGS, 2), "register pool");
 
 // Shared memory: K and V (128 keys x 128), Q and dO (64 rows x 128), two dS^T buffers (128 keys x
 // 64 queries; FA4 keeps two as well), two 16 KB dQ buffers per warpgroup, lse and delta: 192 KB and
@@ -77,6 +107,15 @@ __device__ __forceinline__ void wgmma_ss_tt64(float (&d)[8][4], uint64_t desc_a,
 
 // A warpgroup's own barrier (named barriers 2 and 3; 1 is consumer_barrier's, 0 __syncthreads').
 __device__ __forceinline__ void own_barrier(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory"); }
+// A consumer warpgroup and the writer warp: barriers 4 + wg ("full": its dQ values are in its
+// buffer) and 6 + wg ("empty": the writer's last add from that buffer has read it).
+constexpr int WRITER_PAIR = s90::WG_THREADS + 32;
+__device__ __forceinline__ int dq_full(int wg) { return 4 + wg; }
+__device__ __forceinline__ int dq_empty(int wg) { return 6 + wg; }
+__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(WRITER_PAIR) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(WRITER_PAIR) : "memory");
+}
 
 struct Tiles {
   T *Ks, *Vs, *Qs, *dOs, *dSs;  // dSs: [buffer][DS_TILE]
@@ -95,15 +134,77 @@ __device__ __forceinline__ void store_ds_t(T* dSs, const uint32_t (&da)[1][QT / 
           da[0][s][h];
 }
 
-// dQ[:, 64 wg + (0..64)] = dS K: A = dS (queries x keys) read from dS^T, B = this warpgroup's
-// columns of K, both read transposed; 8 k-steps over the 128 keys, committed (not waited for).
-__device__ __forceinline__ void dq_product(float (&dq)[8][4], const T* dSs, const T* Ks, int wg) {
+// dQ[:, 64 half + (0..64)] (+)= dS[:, keys] K[keys, 64 half + (0..64)] over KEYS keys from key0:
+// A = dS (queries x keys) read from dS^T, B = K's columns, both read transposed; committed (not
+// waited for). `accumulate` false starts from zero.
+template <int KEYS>
+__device__ __forceinline__ void dq_product(float (&dq)[8][4], const T* dSs, const T* Ks, int half, int key0,
+                                           bool accumulate) {
   const uint64_t ds_mn = s90::mnmajor_tile<T, KV_ROWS>(dSs);
-  const uint64_t k_mn = s90::desc_at<T>(s90::mnmajor_tile<T, KV_ROWS>(Ks), wg * KV_ROWS * s90::SW_COLS);
+  const uint64_t k_mn = s90::desc_at<T>(s90::mnmajor_tile<T, KV_ROWS>(Ks), half * KV_ROWS * s90::SW_COLS);
   s90::wgmma_fence();
 #pragma unroll
-  for (int k = 0; k < KV_ROWS; k += 16) wgmma_ss_tt64(dq, s90::mnmajor_at<T>(ds_mn, k), s90::mnmajor_at<T>(k_mn, k), k > 0);
+  for (int k = key0; k < key0 + KEYS; k += 16)
+    wgmma_ss_tt64(dq, s90::mnmajor_at<T>(ds_mn, k), s90::mnmajor_at<T>(k_mn, k), accumulate || k > key0);
   s90::wgmma_commit();
+}
+
+// A warpgroup's dQ values (one product's 64 rows x 64 columns) to its shared buffer dq_s in
+// register order, 16-byte vectors (vector i of thread x at (i * 128 + x) * 16 bytes), as int32
+// fixed point where ROLE adds so.
+template <int ROLE>
+__device__ __forceinline__ void dq_to_smem(const float (&dq)[8][4], float* dq_s, float unit) {
+  const int x = threadIdx.x % s90::WG_THREADS;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float4 v = make_float4(dq[i][0], dq[i][1], dq[i][2], dq[i][3]);
+    if constexpr (ROLE != dq_f32 && adds_fixed(ROLE)) {
+      // One fixed-point unit here; a kernel holds one per query row (two a thread), the same
+      // multiply a value.
+      const auto fixed = [&](float y) {
+        return __int_as_float(converts_by_cvt(ROLE) ? fixed_cvt(y * unit) : fixed_split(y * unit));
+      };
+      v = make_float4(fixed(v.x), fixed(v.y), fixed(v.z), fixed(v.w));
+    }
+    reinterpret_cast<float4*>(dq_s)[i * s90::WG_THREADS + x] = v;
+  }
+}
+
+// One bulk reduce-add of a 16 KB dQ buffer into dst (one thread issues it), committed.
+template <int ROLE>
+__device__ __forceinline__ void bulk_add(float* dst, const float* dq_s) {
+  const uint32_t src = sk::smem_u32(dq_s);
+  if constexpr (adds_fixed(ROLE))
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.s32 [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(src), "n"(DQ_VALUES * 4) : "memory");
+  else
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 ::"l"(dst), "r"(src), "n"(DQ_VALUES * 4) : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// dQ_s staged and (roles past dq_f32) added by the warpgroup's first thread; the buffer's add
+// issued two adds ago must have read it first.
+template <int ROLE>
+__device__ __forceinline__ void stage_and_add(const float (&dq)[8][4], float* dq_s, float* dst, float unit) {
+  constexpr bool ADD = ROLE != dq_f32;
+  const int wg = s90::warpgroup_index();
+  const bool issuer = threadIdx.x % s90::WG_THREADS == 0;
+  if constexpr (ADD) {
+    if (issuer) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+    own_barrier(wg);
+  }
+  dq_to_smem<ROLE>(dq, dq_s, unit);
+  if constexpr (ADD) {
+    s90::fence_proxy_async();
+    own_barrier(wg);
+    if (issuer) bulk_add<ROLE>(dst, dq_s);
+  }
+}
+
+// The slot a warpgroup's dQ adds into at step `it`: its own, in turn over `targets` slots.
+__device__ __forceinline__ float* dq_slot(float* dq_global, int wg, int it, int targets) {
+  return dq_global + ((size_t)(blockIdx.x * 2 + wg) * targets + it % targets) * DQ_VALUES;
 }
 
 template <int ROLE>
@@ -130,13 +231,17 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
     for (int e = 0; e < 4; ++e) st[0][j][e] = exp2f(fmaf(st[0][j][e], c, -(e & 1 ? lse_r[j].y : lse_r[j].x)));
   uint32_t pa[1][QT / 16][4];
   sk::to_a_frags<T, 1, QT>(pa, st);
-  s90::wgmma_fence();
+  constexpr bool FA4_ORDER = has_writer(ROLE);
+  const auto dv_product = [&] {
+    s90::wgmma_fence();
 #pragma unroll
-  for (int s = 0; s < QT / 16; ++s) s90::wgmma_rs_tb<T, D>(dv[0], pa[0][s], s90::mnmajor_at<T>(do_mn, 16 * s), true);
-  s90::wgmma_commit();
+    for (int s = 0; s < QT / 16; ++s) s90::wgmma_rs_tb<T, D>(dv[0], pa[0][s], s90::mnmajor_at<T>(do_mn, 16 * s), true);
+    s90::wgmma_commit();
+  };
+  if constexpr (!FA4_ORDER) dv_product();
 #pragma unroll
   for (int j = 0; j < NJ; ++j) dl_r[j] = stat_pair(t.dl, j);
-  s90::wgmma_wait<1>();  // dP^T done
+  s90::wgmma_wait<FA4_ORDER ? 0 : 1>();  // dP^T done
   uint32_t da[1][QT / 16][4];
 #pragma unroll
   for (int s = 0; s < QT / 16; ++s)
@@ -146,7 +251,8 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
       da[0][s][h] = sk::pack2<T>(st[0][j][e0] * (dpt[0][j][e0] - dl_r[j].x),
                                  st[0][j][e0 + 1] * (dpt[0][j][e0 + 1] - dl_r[j].y));
     }
-  constexpr bool DQ_FIRST = ROLE == red_i32fma_dq_first;
+  constexpr bool DQ_FIRST = ROLE == red_i32fma_dq_first || ROLE == own_f32 || ROLE == own_i32fma || FA4_ORDER;
+  constexpr bool OWN_KEYS = ROLE >= own_f32;
   const auto dk_product = [&] {
     s90::wgmma_fence();
 #pragma unroll
@@ -156,7 +262,41 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
   if constexpr (!DQ_FIRST) dk_product();
   if constexpr (ROLE == dkdv) {
     s90::wgmma_wait<0>();
-    return;
+  } else if constexpr (FA4_ORDER) {
+    T* dSs = t.dSs + (it & 1) * DS_TILE;
+    store_ds_t(dSs, da, wg, lane);
+    dv_product();
+    s90::fence_proxy_async();
+    s90::consumer_barrier();  // both warpgroups' keys are in dS^T
+    float dq[8][4];
+    dq_product<KV_ROWS>(dq, dSs, t.Ks, wg, 0, false);
+    s90::wgmma_wait<1>();  // dV's product done
+    dk_product();
+    s90::wgmma_wait<1>();  // dQ's product done; dK's runs on
+    named_sync(dq_empty(wg));
+    dq_to_smem<ROLE>(dq, t.dq + wg * DQ_VALUES, unit);
+    s90::fence_proxy_async();
+    named_arrive(dq_full(wg));
+    s90::wgmma_wait<0>();
+  } else if constexpr (OWN_KEYS) {
+    // Only this warpgroup reads its keys of dS^T, and it has waited for its last step's dQ
+    // products before writing them again: one buffer, the warpgroup's own barrier.
+    store_ds_t(t.dSs, da, wg, lane);
+    s90::fence_proxy_async();
+    own_barrier(wg);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float dq[8][4];
+      dq_product<s90::WG_ROWS>(dq, t.dSs, t.Ks, half, wg * s90::WG_ROWS, false);
+      if (DQ_FIRST && half == 0) {
+        dk_product();
+        s90::wgmma_wait<1>();  // dQ's first half done; dK's product runs on
+      } else {
+        s90::wgmma_wait<0>();
+      }
+      // Both warpgroups add into the slot of this column half of the step's query tile.
+      stage_and_add<ROLE>(dq, t.dq + (wg * 2 + half) * DQ_VALUES, dq_slot(dq_global, half, it, targets), unit);
+    }
   } else {
     const int buffer = it & 1;
     T* dSs = t.dSs + buffer * DS_TILE;
@@ -164,7 +304,7 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
     s90::fence_proxy_async();
     s90::consumer_barrier();  // both warpgroups' keys are in dS^T
     float dq[8][4];
-    dq_product(dq, dSs, t.Ks, wg);
+    dq_product<KV_ROWS>(dq, dSs, t.Ks, wg, 0, false);
     if constexpr (DQ_FIRST) {
       dk_product();
       s90::wgmma_wait<1>();  // dQ's product done; dK's runs on
@@ -173,51 +313,15 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
     }
     // dS^T's other buffer is written next step, after its barrier: both warpgroups have then
     // finished this step's products, which read this buffer.
-    float* dq_s = t.dq + (wg * 2 + buffer) * DQ_VALUES;
-    const bool issuer = threadIdx.x % s90::WG_THREADS == 0;
-    if constexpr (ROLE != dq_f32) {
-      // This buffer's reduce-add, issued two steps ago, has read it.
-      if (issuer) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
-      own_barrier(wg);
-    }
-    // Register order, 16-byte vectors: vector i of thread x at (i * 128 + x) * 16 bytes.
-    const int x = threadIdx.x % s90::WG_THREADS;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      float4 v = make_float4(dq[i][0], dq[i][1], dq[i][2], dq[i][3]);
-      if constexpr (ROLE == red_i32cvt || ROLE == red_i32fma || DQ_FIRST) {
-        // One fixed-point unit here; a kernel holds one per query row (two a thread), the same
-        // multiply a value.
-        const auto fixed = [&](float y) {
-          return __int_as_float(ROLE == red_i32cvt ? fixed_cvt(y * unit) : fixed_split(y * unit));
-        };
-        v = make_float4(fixed(v.x), fixed(v.y), fixed(v.z), fixed(v.w));
-      }
-      reinterpret_cast<float4*>(dq_s)[i * s90::WG_THREADS + x] = v;
-    }
-    if constexpr (ROLE != dq_f32) {
-      s90::fence_proxy_async();
-      own_barrier(wg);
-      if (issuer) {
-        float* dst = dq_global + ((size_t)(blockIdx.x * 2 + wg) * targets + it % targets) * DQ_VALUES;
-        const uint32_t src = sk::smem_u32(dq_s);
-        if constexpr (ROLE == red_f32)
-          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                       ::"l"(dst), "r"(src), "n"(DQ_VALUES * 4) : "memory");
-        else
-          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.s32 [%0], [%1], %2;\n"
-                       ::"l"(dst), "r"(src), "n"(DQ_VALUES * 4) : "memory");
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      }
-    }
+    stage_and_add<ROLE>(dq, t.dq + (wg * 2 + buffer) * DQ_VALUES, dq_slot(dq_global, wg, it, targets), unit);
     if constexpr (DQ_FIRST) s90::wgmma_wait<0>();  // dK's product, before the next step's
   }
 }
 
-template <int ROLE>
-__global__ void __launch_bounds__(THREADS, 1) step_kernel(const T* src, float c, float unit, int targets,
-                                                          float* dq_global, long long* cycles, float* sink) {
-  extern __shared__ unsigned char smem_raw[];
+// The tiles in shared memory, filled by all threads: K, V, Q and dO from global memory as they
+// lie (any bf16 values serve a timing, and the descriptors read them in the swizzled layout the
+// kernels use), lse and delta of a few units.
+__device__ Tiles fill_tiles(unsigned char* smem_raw, const T* src) {
   unsigned char* base = smem_raw + ((1024 - sk::smem_u32(smem_raw) % 1024) % 1024);
   Tiles t;
   t.Ks = reinterpret_cast<T*>(base);
@@ -228,16 +332,21 @@ __global__ void __launch_bounds__(THREADS, 1) step_kernel(const T* src, float c,
   t.dq = reinterpret_cast<float*>(t.dSs + 2 * DS_TILE);
   t.lse = t.dq + 4 * DQ_VALUES;
   t.dl = t.lse + QT;
-  // K, V, Q and dO from global memory as they lie: any bf16 values serve a timing, and the
-  // descriptors read them in the swizzled layout the kernels use.
-  for (int i = threadIdx.x; i < 2 * KV_TILE + 2 * Q_TILE; i += THREADS) t.Ks[i] = src[i];
-  for (int i = threadIdx.x; i < QT; i += THREADS) {
+  for (int i = threadIdx.x; i < 2 * KV_TILE + 2 * Q_TILE; i += blockDim.x) t.Ks[i] = src[i];
+  for (int i = threadIdx.x; i < QT; i += blockDim.x) {
     t.lse[i] = 0.25f + 0.001f * i;
     t.dl[i] = 0.125f - 0.001f * i;
   }
   s90::fence_proxy_async();
   __syncthreads();
-  const int wg = s90::warpgroup_index(), lane = threadIdx.x % 32;
+  return t;
+}
+
+// A consumer warpgroup's steps, timed from the end of the warm-up; dK and dV kept alive in sink.
+template <int ROLE>
+__device__ void consume(const Tiles& t, int wg, float c, float unit, int targets, float* dq_global, long long* cycles,
+                        float* sink) {
+  const int lane = threadIdx.x % 32;
   float dk[1][D / 8][4], dv[1][D / 8][4];
   sk::zero(dk);
   sk::zero(dv);
@@ -247,14 +356,55 @@ __global__ void __launch_bounds__(THREADS, 1) step_kernel(const T* src, float c,
     onepass_step<ROLE>(dk, dv, t, dq_global, it, targets, wg, lane, c, unit);
   }
   const long long t1 = clock64();
-  if (threadIdx.x % s90::WG_THREADS == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  const bool first = threadIdx.x % s90::WG_THREADS == 0;
+  if (!has_writer(ROLE) && first) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   float keep = 0.f;
 #pragma unroll
   for (int j = 0; j < D / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) keep += dk[0][j][e] + dv[0][j][e];
-  sink[blockIdx.x * THREADS + threadIdx.x] = keep;
-  if (threadIdx.x % s90::WG_THREADS == 0) cycles[blockIdx.x * 2 + wg] = t1 - t0;
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = keep;
+  if (first) cycles[blockIdx.x * 2 + wg] = t1 - t0;
+}
+
+// The writer warp of the FA4-order roles: each step, each warpgroup's buffer handed back once
+// the add before has read it, then its add issued once the warpgroup has filled it (FA4's
+// dQaccum_store order).
+template <int ROLE>
+__device__ void write_dq(const Tiles& t, int targets, float* dq_global) {
+  const bool issuer = threadIdx.x == 0;
+  for (int it = 0; it < WARMUP + ITERS; ++it) {
+    if (issuer) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+    __syncwarp();
+    named_arrive(dq_empty(0));
+    if (issuer) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    __syncwarp();
+    named_arrive(dq_empty(1));
+#pragma unroll
+    for (int wg = 0; wg < 2; ++wg) {
+      named_sync(dq_full(wg));
+      if (issuer) bulk_add<ROLE>(dq_slot(dq_global, wg, it, targets), t.dq + wg * DQ_VALUES);
+    }
+  }
+  if (issuer) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+template <int ROLE>
+__global__ void __launch_bounds__(threads_of(ROLE), 1) step_kernel(const T* src, float c, float unit, int targets,
+                                                                   float* dq_global, long long* cycles, float* sink) {
+  extern __shared__ unsigned char smem_raw[];
+  const Tiles t = fill_tiles(smem_raw, src);
+  if constexpr (has_writer(ROLE)) {
+    if (threadIdx.x < s90::WG_THREADS) {
+      s90::regs_dec<WRITER_REGS>();
+      if (threadIdx.x < 32) write_dq<ROLE>(t, targets, dq_global);
+    } else {
+      s90::regs_inc<CONSUMER_REGS>();
+      consume<ROLE>(t, s90::warpgroup_index() - 1, c, unit, targets, dq_global, cycles, sink);
+    }
+  } else {
+    consume<ROLE>(t, s90::warpgroup_index(), c, unit, targets, dq_global, cycles, sink);
+  }
 }
 
 // n bf16 values uniform in [-width / 2, width / 2), from a linear congruential generator seeded with seed.
@@ -289,8 +439,9 @@ __global__ void __launch_bounds__(THREADS, 1) dq_layout_kernel(const T* ds /* [Q
   store_ds_t(dSs, da, wg, lane);
   s90::fence_proxy_async();
   __syncthreads();
-  float dq[8][4];
-  dq_product(dq, dSs, Ks, wg);
+  float dq[8][4];  // over the keys in two products, as the own-keys roles split them
+  dq_product<s90::WG_ROWS>(dq, dSs, Ks, wg, 0, false);
+  dq_product<s90::WG_ROWS>(dq, dSs, Ks, wg, s90::WG_ROWS, true);
   s90::wgmma_wait<0>();
 #pragma unroll
   for (int j = 0; j < 8; ++j)
@@ -334,7 +485,7 @@ template <int ROLE>
 int run_role(int sms, const char* gpu, const T* src, int targets, float* dq_global, long long* cycles, float* sink) {
   CHECK(cudaFuncSetAttribute(step_kernel<ROLE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM));
   for (int rep = 0; rep < 2; ++rep)  // the second launch is reported
-    step_kernel<ROLE><<<sms, THREADS, SMEM>>>(src, 0.18f, 1048576.f, targets, dq_global, cycles, sink);
+    step_kernel<ROLE><<<sms, threads_of(ROLE), SMEM>>>(src, 0.18f, 1048576.f, targets, dq_global, cycles, sink);
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
   std::vector<long long> c(2 * sms);
@@ -368,7 +519,7 @@ int main() {
   CHECK(cudaMalloc(&dq_global, (size_t)sms * 2 * MAX_TARGETS * DQ_VALUES * sizeof(float)));
   CHECK(cudaMemset(dq_global, 0, (size_t)sms * 2 * MAX_TARGETS * DQ_VALUES * sizeof(float)));
   CHECK(cudaMalloc(&cycles, 2 * sms * sizeof(long long)));
-  CHECK(cudaMalloc(&sink, (size_t)sms * THREADS * sizeof(float)));
+  CHECK(cudaMalloc(&sink, (size_t)sms * threads_of(fa4_f32) * sizeof(float)));
   CHECK(cudaMemcpy(src, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
   const char* gpu = prop.name;
   int rc = check_dq_layout(gpu, std::vector<T>(host.begin(), host.begin() + KV_TILE));  // K: the tiles' first
@@ -379,6 +530,12 @@ int main() {
     rc |= run_role<red_i32cvt>(sms, gpu, src, targets, dq_global, cycles, sink);
     rc |= run_role<red_i32fma>(sms, gpu, src, targets, dq_global, cycles, sink);
     rc |= run_role<red_i32fma_dq_first>(sms, gpu, src, targets, dq_global, cycles, sink);
+    rc |= run_role<own_f32>(sms, gpu, src, targets, dq_global, cycles, sink);
+    rc |= run_role<own_i32fma>(sms, gpu, src, targets, dq_global, cycles, sink);
+    rc |= run_role<own_i32fma_dk_first>(sms, gpu, src, targets, dq_global, cycles, sink);
+    rc |= run_role<fa4_f32>(sms, gpu, src, targets, dq_global, cycles, sink);
+    rc |= run_role<fa4_i32cvt>(sms, gpu, src, targets, dq_global, cycles, sink);
+    rc |= run_role<fa4_i32fma>(sms, gpu, src, targets, dq_global, cycles, sink);
   }
   return rc;
 }
