@@ -58,6 +58,7 @@
 #include "cuda/attention_kernels_sm90.cuh"
 #include "cuda_check.h"
 #include "fixed_point.cuh"
+#include "random_bf16.h"
 
 namespace sk = sparsebalance::kernels;
 namespace s90 = sparsebalance::kernels::sm90;
@@ -173,14 +174,7 @@ __device__ __forceinline__ void dq_to_smem(const float (&dq)[8][4], float* dq_s,
 // One bulk reduce-add of a 16 KB dQ buffer into dst (one thread issues it), committed.
 template <int ROLE>
 __device__ __forceinline__ void bulk_add(float* dst, const float* dq_s) {
-  const uint32_t src = sk::smem_u32(dq_s);
-  if constexpr (adds_fixed(ROLE))
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.s32 [%0], [%1], %2;\n"
-                 ::"l"(dst), "r"(src), "n"(DQ_VALUES * 4) : "memory");
-  else
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                 ::"l"(dst), "r"(src), "n"(DQ_VALUES * 4) : "memory");
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  bulk_reduce_add<adds_fixed(ROLE)>(dst, sk::smem_u32(dq_s), DQ_VALUES * 4);
 }
 
 // dQ_s staged and (roles past dq_f32) added by the warpgroup's first thread; the buffer's add
@@ -232,12 +226,15 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
   uint32_t pa[1][QT / 16][4];
   sk::to_a_frags<T, 1, QT>(pa, st);
   constexpr bool FA4_ORDER = has_writer(ROLE);
-  const auto dv_product = [&] {
+  // acc += frags^T B over the tile's queries (dV's product from P^T and dO, dK's from dS^T and Q),
+  // B read transposed; one committed group.
+  const auto gradient_product = [](float(&acc)[D / 8][4], const uint32_t(&frags)[QT / 16][4], uint64_t b_mn) {
     s90::wgmma_fence();
 #pragma unroll
-    for (int s = 0; s < QT / 16; ++s) s90::wgmma_rs_tb<T, D>(dv[0], pa[0][s], s90::mnmajor_at<T>(do_mn, 16 * s), true);
+    for (int s = 0; s < QT / 16; ++s) s90::wgmma_rs_tb<T, D>(acc, frags[s], s90::mnmajor_at<T>(b_mn, 16 * s), true);
     s90::wgmma_commit();
   };
+  const auto dv_product = [&] { gradient_product(dv[0], pa[0], do_mn); };
   if constexpr (!FA4_ORDER) dv_product();
 #pragma unroll
   for (int j = 0; j < NJ; ++j) dl_r[j] = stat_pair(t.dl, j);
@@ -253,12 +250,7 @@ __device__ __forceinline__ void onepass_step(float (&dk)[1][D / 8][4], float (&d
     }
   constexpr bool DQ_FIRST = ROLE == red_i32fma_dq_first || ROLE == own_f32 || ROLE == own_i32fma || FA4_ORDER;
   constexpr bool OWN_KEYS = ROLE >= own_f32;
-  const auto dk_product = [&] {
-    s90::wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < QT / 16; ++s) s90::wgmma_rs_tb<T, D>(dk[0], da[0][s], s90::mnmajor_at<T>(q_mn, 16 * s), true);
-    s90::wgmma_commit();
-  };
+  const auto dk_product = [&] { gradient_product(dk[0], da[0], q_mn); };
   if constexpr (!DQ_FIRST) dk_product();
   if constexpr (ROLE == dkdv) {
     s90::wgmma_wait<0>();
@@ -405,16 +397,6 @@ __global__ void __launch_bounds__(threads_of(ROLE), 1) step_kernel(const T* src,
   } else {
     consume<ROLE>(t, s90::warpgroup_index(), c, unit, targets, dq_global, cycles, sink);
   }
-}
-
-// n bf16 values uniform in [-width / 2, width / 2), from a linear congruential generator seeded with seed.
-std::vector<T> uniform_bf16(size_t n, uint32_t seed, float width) {
-  std::vector<T> v(n);
-  for (auto& x : v) {
-    seed = seed * 1664525u + 1013904223u;
-    x = __float2bfloat16(((seed >> 8) / 16777216.f - 0.5f) * width);
-  }
-  return v;
 }
 
 // The dQ product's layouts, checked before any timing: dS^T stored from A fragments as the step

@@ -30,6 +30,7 @@
 
 #include "cuda/attention_kernels_sm90.cuh"
 #include "cuda_check.h"
+#include "random_bf16.h"
 
 namespace sk = sparsebalance::kernels;
 namespace s90 = sparsebalance::kernels::sm90;
@@ -265,12 +266,7 @@ int main() {
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::vector<T> host(4 * TILE);
-  uint32_t z = 12345;
-  for (auto& x : host) {  // uniform in [-0.25, 0.25): scores of a few units, as a real step's
-    z = z * 1664525u + 1013904223u;
-    x = __float2bfloat16(((z >> 8) / 16777216.f - 0.5f) * 0.5f);
-  }
+  const std::vector<T> host = uniform_bf16(4 * TILE, 12345, 0.5f);
   T* src;
   long long* cycles;
   float* sink;

@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda_check.h"
+#include "fixed_point.cuh"
 
 constexpr int TILE_ROWS = 64, TILE_COLS = 128;
 constexpr int TILE_FLOATS = TILE_ROWS * TILE_COLS;  // 8192 floats, 32 KB
@@ -51,15 +52,9 @@ __global__ void __launch_bounds__(THREADS) bulk_kernel(float* acc, uint32_t num_
   for (uint64_t i = blockIdx.x; i < adds; i += gridDim.x) {
     // as if the consumers rewrote this buffer: wait until at most INFLIGHT-1 adds still read smem
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(INFLIGHT - 1) : "memory");
-    const float* g = acc + static_cast<uint64_t>(tile_of(i, num_tiles, adds, window)) * TILE_FLOATS;
+    float* g = acc + static_cast<uint64_t>(tile_of(i, num_tiles, adds, window)) * TILE_FLOATS;
     uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(tile + buf * TILE_FLOATS));
-    if constexpr (INT32)
-      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.s32 [%0], [%1], %2;\n"
-                   ::"l"(g), "r"(s), "r"(TILE_FLOATS * 4) : "memory");
-    else
-      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                   ::"l"(g), "r"(s), "r"(TILE_FLOATS * 4) : "memory");
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    bulk_reduce_add<INT32>(g, s, TILE_FLOATS * 4);
     buf = (buf + 1) % INFLIGHT;
   }
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
