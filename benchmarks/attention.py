@@ -1,7 +1,9 @@
 """Block-sparse attention, forward+backward, side by side on one GPU.
 
-Ours (``cuda``, ``triton``, and ``fa4_backend``: ``--sparse-attn-impl fa4``, flash-attn-4's kernels
-through our backend; on Hopper with our extension, our forward kernel and FA4's backward) against
+Ours (``cuda``, ``cuda_ds``: ``cuda`` with ``--sparse-attn-ds-buffer-gib`` unlimited, its backward
+storing dS (Hopper, head dim 128), ``triton``, and ``fa4_backend``: ``--sparse-attn-impl fa4``,
+flash-attn-4's kernels through our backend; on Hopper with our extension, our forward kernel and
+FA4's backward) against
 PyTorch FlexAttention (compiled, given the SAME selection as a ``BlockMask``: the selected
 earlier blocks as full blocks, the diagonal block as a partial block whose mask_mod is only
 ``q >= kv``), FlexAttention's FLASH backend (``flex_flash``: the same call with
@@ -49,7 +51,7 @@ from megatron_sparsebalance.ops.sparse_attention import route as sparse_route
 
 SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-3b": (16, 2, 128)}
 BLOCK = 128
-OURS = ("cuda", "triton", "fa4_backend")
+OURS = ("cuda", "cuda_ds", "triton", "fa4_backend")
 SPARSE_IMPLS = OURS + ("flex", "flex_flash", "fa4")
 ALL_IMPLS = SPARSE_IMPLS + ("cudnn_dense", "fa2_dense")
 NEEDS_BLOCK_MASK = ("flex", "flex_flash", "fa4")  # built from the route by flex_block_mask
@@ -69,7 +71,8 @@ NOTES = (
     "the diagonal as a partial block, mask_mod q >= kv). flex_flash: the same call with kernel_options "
     "{'BACKEND': 'FLASH'} (flash-attn-4). fa4: flash-attn-4's block-sparse API called directly with the "
     "BlockMask's forward and transposed tensors (per query head, batch 1). fa4_backend: --sparse-attn-impl fa4 "
-    "(on Hopper with our extension built: our forward kernel and FA4's backward). "
+    "(on Hopper with our extension built: our forward kernel and FA4's backward). cuda_ds: cuda with "
+    "--sparse-attn-ds-buffer-gib unlimited (its backward stores dS; Hopper, head dim 128). "
     "check_vs/check: output and gradient errors against ours (rel_l2, max_rel) checked before a row's time "
     "counts. tflops: 4*kept_blocks*B^2*d*3.5 with kept blocks counted per query "
     "head (dense rows: the whole causal block triangle). peak_mem_gib: memory allocated by one fwd+bwd beyond its "
@@ -225,7 +228,14 @@ def run_case(impl, q, k, v, go, route, S, hq, flex_fn, bm):
     if impl in OURS:
         from megatron_sparsebalance.ops.implementations import attention_function
 
-        fn = attention_function("fa4" if impl == "fa4_backend" else impl)
+        if impl == "cuda_ds":  # --sparse-attn-ds-buffer-gib without a limit
+            from megatron_sparsebalance.ops.cuda_attention import takes_stored_ds
+
+            fn = attention_function("cuda", ds_buffer_gib=math.inf)
+            if not takes_stored_ds(q, k, route, fn.keywords["ds_buffer_bytes"]):
+                raise ValueError("the cuda backward stores dS on Hopper at block 128 and head dim 128 only")
+        else:
+            fn = attention_function("fa4" if impl == "fa4_backend" else impl)
         inputs, grad_out = (q, k, v), go
 
         def forward():
@@ -717,6 +727,14 @@ def markdown_table(result) -> str:
         lines[0] += (" flex FLASH ms (TF/s) | FA4 ms (TF/s) | fa4 (ours) ms (TF/s) | FA4 / cuda | FA4 / best ours "
                      "| FA4 fwd / bwd ms |")
         lines[1] += "---|" * 6
+    # and the stored-dS rows where a file measured them
+    with_ds = any(r["impl"] == "cuda_ds" for r in rows)
+    if with_ds:
+        lines[0] += " cuda (stored dS) ms (TF/s) | cuda (stored dS) fwd / bwd ms | extra GiB cuda (stored dS) |"
+        lines[1] += "---|" * 3
+        if with_fa4:
+            lines[0] += " FA4 / cuda (stored dS) |"
+            lines[1] += "---|"
     for shape, S, density, got, dense in sparse_cases(rows):
         cuda, triton, flex = (got.get(i) for i in ("cuda", "triton", "flex"))
         kept = next((r["kept_frac"] for r in got.values() if "kept_frac" in r), None)
@@ -730,6 +748,11 @@ def markdown_table(result) -> str:
             fa4_ms = fa4 and fa4.get("ms")
             cells += [ms(flash), ms(fa4), ms(fa4_ours), ratio(fa4_ms, cuda and cuda.get("ms")),
                       ratio(fa4_ms, best_ours_ms(got)), fwd_bwd(fa4)]
+        if with_ds:
+            stored = got.get("cuda_ds")
+            cells += [ms(stored), fwd_bwd(stored), gib(stored)]
+            if with_fa4:
+                cells.append(ratio(fa4 and fa4.get("ms"), stored and stored.get("ms")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

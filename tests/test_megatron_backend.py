@@ -68,11 +68,25 @@ def test_budget_scope_overrides_and_reports():
 @pytest.mark.parametrize(
     "kwargs, match",
     [(dict(moba_block_size=100), "--moba-block-size"), (dict(moba_topk=0), "--moba-topk"),
-     (dict(sparse_attn_impl="fast"), "--sparse-attn-impl")],
+     (dict(sparse_attn_impl="fast"), "--sparse-attn-impl"),
+     (dict(sparse_attn_ds_buffer_gib=-1.0), "--sparse-attn-ds-buffer-gib"),
+     (dict(sparse_attn_ds_buffer_gib=float("nan")), "--sparse-attn-ds-buffer-gib")],
 )
 def test_bad_config_names_the_flag(kwargs, match):
     with pytest.raises(ValueError, match=match):
         core_attention(**kwargs)
+
+
+def test_ds_buffer_reaches_only_the_cuda_backward():
+    """--sparse-attn-ds-buffer-gib is the cuda kernels' budget for storing dS, in bytes; 0 leaves
+    the function as it is."""
+    from megatron_sparsebalance.ops import cuda_attention
+    from megatron_sparsebalance.ops.implementations import attention_function
+
+    fn = attention_function("cuda", 1.5)
+    assert fn.func is cuda_attention.block_sparse_attention and fn.keywords == {"ds_buffer_bytes": 3 << 29}
+    assert attention_function("cuda", 0.0) is cuda_attention.block_sparse_attention
+    assert attention_function("torch", 1.5) is attention_function("torch")
 
 
 def test_explicit_cuda_impl_on_cpu_is_an_error():

@@ -263,9 +263,16 @@ void run_dkdv(Params p, int64_t nrows, cudaStream_t s, const at::Tensor& q, cons
     const int heads = sm90::dkdv_tile_heads(Sm90::QT, p.R), tokens = Sm90::QT / heads;
     const sm90::DkdvMaps maps{row_slab_map<T>(q, heads, tokens), row_slab_map<T>(dout, heads, tokens),
                               row_slab_map<T>(k, 1, Sm90::KV_ROWS), row_slab_map<T>(v, 1, Sm90::KV_ROWS)};
-    launch(sm90::dkdv_kernel<T, D>, dim3(plan.max_items * nsub), Sm90::THREADS, Sm90::smem_bytes(), s, p, maps);
+    if constexpr (D == 128) {  // stored_ds_supported
+      if (p.ds != nullptr)
+        return launch(sm90::dkdv_kernel<T, D, true>, dim3(plan.max_items * nsub), Sm90::THREADS, Sm90::smem_bytes(),
+                      s, p, maps);
+    }
+    launch(sm90::dkdv_kernel<T, D, false>, dim3(plan.max_items * nsub), Sm90::THREADS, Sm90::smem_bytes(), s, p,
+           maps);
     return;
   }
+  MSB_CHECK(p.ds == nullptr, "the stored-dS backward needs the Hopper kernels (sm_90a, block 128)");
   constexpr int QT = Tiles<D>::DKDV_QT;
   launch(dkdv_kernel<T, D, QT>, dim3(p.NB * (p.block / CHUNK), p.G), CHUNK / WARP_ROWS * 32,
          dkdv_smem<T, D, QT>(), s, p);
@@ -312,6 +319,15 @@ void check_backward_inputs(const at::Tensor& dout, const at::Tensor& q, const at
             "lse must be contiguous float32 [T, HQ]");
 }
 
+// Whether this GPU takes the stored-dS backward (dK/dV writing dS to `ds`, then
+// sparse_attn_bwd_dq_from_ds_cuda) at this block size and head dim: Hopper, block 128, head dim
+// 128. At head dim 64 dK/dV forms dS as the 16-bit product of P and dP - delta, each rounded
+// first, and dQ from those values missed the kernel grid's error bound (3.5e-2 against 2.6e-2
+// for dQ at 97 tokens, budget 1); it was also 3-8% slower there than the two-pass backward.
+bool stored_ds_supported(int64_t block, int64_t head_dim) {
+  return block == kernels::sm90::DS_KEYS && head_dim == 128 && use_sm90((int)block, 128);
+}
+
 // dK, dV and delta (= rowsum(out * dout), which dQ needs as well). The caller frees the
 // transposed index (q_ptr, q_idx) before it asks for dQ, so the backward's peak holds the three
 // gradients and delta but never the index beside dQ.
@@ -320,8 +336,15 @@ std::vector<at::Tensor> sparse_attn_bwd_dkdv_cuda(const at::Tensor& dout, const 
                                                   const at::Tensor& kv_idx, const at::Tensor& kv_cnt,
                                                   const at::Tensor& bstart, const at::Tensor& bend,
                                                   const at::Tensor& q_ptr, const at::Tensor& q_idx, double scale,
-                                                  int64_t block) {
+                                                  int64_t block, const c10::optional<at::Tensor>& ds) {
   check_inputs(q, k, v, kv_idx, kv_cnt, bstart, bend, block);
+  if (ds.has_value()) {
+    MSB_CHECK(stored_ds_supported(block, q.size(2)),
+              "the stored-dS backward runs on Hopper (sm_90a) at block 128 and head dim 128 only");
+    MSB_CHECK(ds->is_cuda() && ds->is_contiguous() && ds->scalar_type() == q.scalar_type() && aligned16(*ds) &&
+                  ds->numel() % kernels::sm90::ds_slot_values((int)(q.size(1) / k.size(1)), (int)block) == 0,
+              "ds must be a contiguous, 16-byte aligned tensor of q's dtype holding whole slots");
+  }
   check_backward_inputs(dout, q, lse);
   MSB_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type() && aligned16(out),
             "out must be a contiguous, 16-byte aligned [T, HQ, D] tensor of q's dtype");
@@ -346,6 +369,7 @@ std::vector<at::Tensor> sparse_attn_bwd_dkdv_cuda(const at::Tensor& dout, const 
   p.delta = delta.data_ptr<float>();
   p.q_ptr = q_ptr.data_ptr<int>();
   p.q_idx = q_idx.data_ptr<int>();
+  if (ds.has_value()) p.ds = ds->data_ptr();
   auto s = at::cuda::getCurrentCUDAStream().stream();
   const int64_t nrows = q.size(0) * q.size(1);
   // The caller frees the index before it allocates dQ (q's size): what dK/dV allocates besides
@@ -383,6 +407,39 @@ at::Tensor sparse_attn_bwd_dq_cuda(const at::Tensor& dout, const at::Tensor& q, 
   return dq;
 }
 
+// dQ from the dS tiles that sparse_attn_bwd_dkdv_cuda stored in `ds`, at the places that
+// transpose_index_cuda's `slots` name.
+at::Tensor sparse_attn_bwd_dq_from_ds_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& ds,
+                                           const at::Tensor& slots, const at::Tensor& kv_idx,
+                                           const at::Tensor& kv_cnt, const at::Tensor& bstart,
+                                           const at::Tensor& bend, double scale, int64_t block) {
+  check_inputs(q, k, k, kv_idx, kv_cnt, bstart, bend, block);
+  MSB_CHECK(stored_ds_supported(block, q.size(2)),
+            "the stored-dS backward runs on Hopper (sm_90a) at block 128 and head dim 128 only");
+  MSB_CHECK(ds.is_cuda() && ds.is_contiguous() && ds.scalar_type() == q.scalar_type() && aligned16(ds),
+            "ds must be a contiguous, 16-byte aligned tensor of q's dtype");
+  MSB_CHECK(slots.is_cuda() && slots.scalar_type() == at::kInt && slots.is_contiguous() &&
+                slots.sizes() == kv_idx.sizes(),
+            "slots must be a contiguous int32 CUDA tensor shaped like kv_idx");
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto dq = at::empty_like(q);
+  Params p = make_params(q, k, kv_idx, kv_cnt, bstart, bend, scale, block);
+  if (q.size(0) == 0 || p.NB == 0) return dq;
+  p.dq = dq.data_ptr();
+  p.ds = const_cast<void*>(ds.data_ptr());
+  p.ds_slots = slots.data_ptr<int>();
+  auto s = at::cuda::getCurrentCUDAStream().stream();
+  const auto run = [&](auto element) {
+    using T = decltype(element);
+    using Tiles = kernels::sm90::DsTiles<T, 128>;
+    const dim3 grid((unsigned)(p.G * p.NB * (p.R * p.block / Tiles::BM)));
+    launch(kernels::sm90::dq_from_ds_kernel<T, 128>, grid, Tiles::THREADS, Tiles::smem_bytes(), s, p,
+           row_slab_map<T>(k, 1, kernels::sm90::DS_KEYS));
+  };
+  q.scalar_type() == at::kBFloat16 ? run(__nv_bfloat16{}) : run(__half{});
+  return dq;
+}
+
 }  // namespace
 
 void register_cuda_ops(pybind11::module& m) {
@@ -394,7 +451,16 @@ void register_cuda_ops(pybind11::module& m) {
         "block-sparse attention backward, first half (CUDA): (dk, dv, delta)", pybind11::arg("dout"),
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("kv_idx"), pybind11::arg("kv_cnt"), pybind11::arg("block_start"), pybind11::arg("block_end"),
-        pybind11::arg("q_ptr"), pybind11::arg("q_idx"), pybind11::arg("softmax_scale"), pybind11::arg("block_size"));
+        pybind11::arg("q_ptr"), pybind11::arg("q_idx"), pybind11::arg("softmax_scale"), pybind11::arg("block_size"),
+        pybind11::arg("ds") = pybind11::none());
+  m.def("stored_ds_supported", &stored_ds_supported,
+        "whether the current GPU takes the stored-dS backward at this block size and head dim",
+        pybind11::arg("block_size"), pybind11::arg("head_dim"));
+  m.def("sparse_attn_bwd_dq_from_ds_cuda", &sparse_attn_bwd_dq_from_ds_cuda,
+        "block-sparse attention backward, dQ from the dS tiles dK/dV stored (CUDA)", pybind11::arg("q"),
+        pybind11::arg("k"), pybind11::arg("ds"), pybind11::arg("slots"), pybind11::arg("kv_idx"),
+        pybind11::arg("kv_cnt"), pybind11::arg("block_start"), pybind11::arg("block_end"),
+        pybind11::arg("softmax_scale"), pybind11::arg("block_size"));
   m.def(
       "dkdv_plan_cuda",
       [](const at::Tensor& q_ptr, int64_t G, int64_t NB, int64_t nsub, int64_t max_slots) {

@@ -62,6 +62,10 @@ struct Params {
   const int2* dkdv_split;
   int* dkdv_arrivals;
   float* dkdv_partials;
+  // The stored-dS backward (sm90::dq_from_ds_kernel): dS tiles as dK/dV wrote them, and each
+  // route entry's tile (transpose_index's slots, [G, NB, KMAX]).
+  void* ds;
+  const int* ds_slots;
   int NB, KMAX, R, HQ, G, block;
   uint64_t r_magic;  // ceil(2^32 / R): div_r's multiplier
   float scale, scale_log2;

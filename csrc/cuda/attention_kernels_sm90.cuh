@@ -262,14 +262,49 @@ __device__ __forceinline__ void product_over_head_dim_rs(float (&acc)[N / 8][4],
   wgmma_commit();
 }
 
+// ---- Stored dS ----------------------------------------------------------------------------------
+// The stored-dS backward: dK/dV writes each dS tile it forms to global memory, and dQ = dS K is
+// then one product a tile (dq_from_ds_kernel) instead of the two-pass dQ's three (S and dP formed
+// again, and every exponential a second time). It trades the two products for dS's bytes, written
+// once and read once: R * block * 128 16-bit values per (group, query block, KV block) of the
+// route, block 128 only (DS_KEYS keys a tile).
+//
+// A route entry's tile is one slot, at its place in the transposed lists (q_ptr + e, which the
+// dK/dV walk knows; transpose_index's slots give it to the route's walk). A slot's rows are the
+// dK/dV query tiles in order (rows h block + t heads of its tile (h, t), BoxWalk), and its values
+// are grouped by 16 x 16 sub-blocks, row group fastest-but-one: the sub-block of rows 16 r and
+// keys 16 c holds, for each lane l, the A fragment of dS that lane l of an m64 wgmma's warp takes
+// (mma's order: rows l / 4 and + 8, keys 2 (l % 4), + 1 and + 8), 16 bytes at 8 (32 (8 r + c) +
+// l) values. dK/dV holds dS transposed (keys as rows) in exactly these registers, so each of its
+// 8 x 8 matrices is one movmatrix away; dQ's warps read their fragments back as 16-byte vectors, a
+// warp 512 contiguous bytes, after one bulk copy of a whole 128-row tile.
+constexpr int DS_KEYS = 128;
+__host__ __device__ constexpr int64_t ds_slot_values(int R, int block) { return (int64_t)R * block * DS_KEYS; }
+
+// A consumer's dS^T fragments (its 16 keys a warp by QT query rows) into its tile: 8 x 8 matrix
+// (key half kh, query half qh) of A fragment index kh + 2 qh becomes matrix (qh, kh), index qh + 2 kh.
+template <typename T, int QT>
+__device__ __forceinline__ void store_ds_fragments(const uint32_t (&da)[1][QT / 16][4], T* ds_tile, int wg,
+                                                   int warp, int lane) {
+  T* const dst = ds_tile + 256 * (4 * wg + warp) + 8 * lane;
+#pragma unroll
+  for (int s = 0; s < QT / 16; ++s) {
+    const uint4 v = make_uint4(movmatrix_trans(da[0][s][0]), movmatrix_trans(da[0][s][2]),
+                               movmatrix_trans(da[0][s][1]), movmatrix_trans(da[0][s][3]));
+    // Streaming: dQ reads it after the whole dK/dV, long after L2 would have kept it.
+    __stcs(reinterpret_cast<uint4*>(dst + 256 * 8 * s), v);
+  }
+}
+
 // One query tile of a consumer's 64 keys: the four products and the scores between them (the
 // sequence in the comment above). dK's products are left in flight. DIAG masks the keys after
 // each query row's token (key_tok counts from the walk's block).
-template <typename T, int D, int KV_ROWS, int QT, bool DIAG>
+// STORE_DS: dS also goes to ds_tile, as dq_from_ds_kernel reads it (below).
+template <typename T, int D, int KV_ROWS, int QT, bool DIAG, bool STORE_DS>
 __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[1][D / 8][4], uint64_t k_desc,
                                           uint64_t v_desc, const T* Qc, const T* dOc, const float* lse_c,
-                                          const float* dl_c, const BoxWalk<QT>& walk, int wg, int key_tok,
-                                          int lane, const Params& p) {
+                                          const float* dl_c, const BoxWalk<QT>& walk, int wg, int warp,
+                                          int key_tok, int lane, T* ds_tile, const Params& p) {
   constexpr int NJ = QT / 8;
   // Query tiles of 128 rows leave no room for P in fp32 beside dK, dV and dP^T: dS is then the
   // 16-bit product of P's A fragments and dP - delta rounded to 16 bits, which spares unpacking P
@@ -338,6 +373,7 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
       else
         da[0][s][h] = pack2<T>(st[0][j][e0] * (dpt[0][j][e0] - dl.x), st[0][j][e0 + 1] * (dpt[0][j][e0 + 1] - dl.y));
     }
+  if constexpr (STORE_DS) store_ds_fragments<T, QT>(da, ds_tile, wg, warp, lane);
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < QT / 16; ++s) wgmma_rs_tb<T, D>(dk[0], da[0][s], mnmajor_at<T>(q_mn, 16 * s), true);
@@ -485,7 +521,7 @@ __device__ __forceinline__ bool dkdv_combine_parts(float (&dk)[1][D / 8][4], flo
   return true;
 }
 
-template <typename T, int D>
+template <typename T, int D, bool STORE_DS>
 __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
     dkdv_kernel(Params p, const __grid_constant__ DkdvMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -546,9 +582,13 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
     auto step = [&](int it, auto diag) {
       const int buf = it % STAGES;
       mbar_wait(full + buf, (it / STAGES) & 1);  // the operands of wgmma came by TMA: no proxy fence
-      dkdv_tile<T, D, KV_ROWS, QT, decltype(diag)::value>(dk, dv, k_desc, v_desc, Qs + buf * QT * D,
-                                                          dOs + buf * QT * D, lse_s + buf * QT, dl_s + buf * QT,
-                                                          walk, wg, key_tok, lane, p);
+      T* ds_tile = nullptr;
+      if constexpr (STORE_DS)  // the slot of this list entry, the tile's first row h block + t heads
+        ds_tile = static_cast<T*>(p.ds) + (int64_t)(walk.p0 + walk.e) * ds_slot_values(p.R, p.block) +
+                  (int64_t)(walk.h * p.block + walk.t * walk.heads) * DS_KEYS;
+      dkdv_tile<T, D, KV_ROWS, QT, decltype(diag)::value, STORE_DS>(
+          dk, dv, k_desc, v_desc, Qs + buf * QT * D, dOs + buf * QT * D, lse_s + buf * QT, dl_s + buf * QT, walk, wg,
+          warp, key_tok, lane, ds_tile, p);
       walk.next(p);
       // Waiting here rather than in the next tile: ptxas serialises every wgmma of the loop when
       // accumulators are in flight across its back edge (warning C7515). The other consumer keeps
@@ -1057,6 +1097,104 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH, CONSUMERS>::THREADS, 1
   const float scale[2] = {p.scale, p.scale};
   store_rows_through_tile<T, D, BM>(dq, scale, cta.qtiles, wg, warp, lane, cta.row0, cta.nrows, cta.q0, cta.g,
                                     static_cast<T*>(p.dq), p);
+#else
+  __trap();
+#endif
+}
+
+// ---- dQ from stored dS ---------------------------------------------------------------------------
+// Linear grid of (128 rows of a slot, group, query block) CTAs, longest walks first as in
+// QueryCta; CTA of a producer warpgroup (thread 0 copies, per route entry, the KV block's K by
+// TMA and the CTA's 32 KB of dS by one bulk copy into a ring of STAGES buffers) and two
+// consumers, each owning 64 of the rows: dQ += dS K per entry, dS's fragments from shared memory
+// into registers (the layout above), K read transposed as in dq_kernel. No mask: dK/dV stored the
+// masked and past-the-block values as zeros.
+template <typename T, int D>
+struct DsTiles {
+  static constexpr int BM = 2 * WG_ROWS, THREADS = 3 * WG_THREADS, STAGES = D == 128 ? 3 : 4;
+  static constexpr int K_VALUES = DS_KEYS * D, DS_VALUES = BM * DS_KEYS;
+  static constexpr size_t smem_bytes() {
+    return SW_ALIGN + sizeof(T) * STAGES * (K_VALUES + DS_VALUES) + sizeof(uint64_t) * 2 * STAGES;
+  }
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(DsTiles<T, D>::THREADS, 1)
+    dq_from_ds_kernel(Params p, const __grid_constant__ CUtensorMap k_map) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Tiles = DsTiles<T, D>;
+  constexpr int BM = Tiles::BM, STAGES = Tiles::STAGES, QT = DkdvTiles<T, D>::QT;
+  extern __shared__ unsigned char smem_raw[];
+  T* Ks = reinterpret_cast<T*>(smem_raw + ((SW_ALIGN - smem_u32(smem_raw) % SW_ALIGN) % SW_ALIGN));
+  T* dSs = Ks + STAGES * Tiles::K_VALUES;
+  uint64_t* full = reinterpret_cast<uint64_t*>(dSs + STAGES * Tiles::DS_VALUES);
+  uint64_t* empty = full + STAGES;
+
+  const int ctas = p.R * p.block / BM, lin = gridDim.x - 1 - blockIdx.x;
+  const int g = lin % p.G, qb = lin / p.G / ctas, row0 = lin / p.G % ctas * BM;
+  const int q0 = p.bstart[qb], qlen = p.bend[qb] - q0;
+  // (token, head) of slot row r: the dK/dV tiles (h, t) start at rows h block + t heads, so the
+  // rows pack the heads as the forward's do where the tiles do (heads = R), else they are a
+  // block's tokens of head 0, then of head 1, ...
+  const bool packed = dkdv_tile_heads(QT, p.R) == p.R;
+  const auto token_head = [&](int r) {
+    const int tok = packed ? div_r(r, p) : r % p.block;
+    return make_int2(tok, packed ? r - tok * p.R : r / p.block);
+  };
+  const int active = (token_head(row0).x < qlen) + (token_head(row0 + WG_ROWS).x < qlen);
+  if (active == 0) return;  // rows dK/dV wrote no tile for: past the block
+  const int row = g * p.NB + qb, cnt = p.kv_cnt[row];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, active * WG_THREADS);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < WG_THREADS) {
+    if (threadIdx.x != 0) return;
+    const int* idx = p.kv_idx + (int64_t)row * p.KMAX;
+    const int* slots = p.ds_slots + (int64_t)row * p.KMAX;
+    const T* ds = static_cast<const T*>(p.ds) + (int64_t)row0 * DS_KEYS;
+    for (int it = 0; it < cnt; ++it) {
+      const int buf = it % STAGES;
+      if (it >= STAGES) mbar_wait(empty + buf, (it / STAGES - 1) & 1);
+      T* const k_dst = Ks + buf * Tiles::K_VALUES;
+      mbar_expect_tx(full + buf, sizeof(T) * (Tiles::K_VALUES + Tiles::DS_VALUES));
+#pragma unroll
+      for (int c = 0; c < D; c += SW_COLS) tma_load_3d(k_dst + c * DS_KEYS, &k_map, c, g, p.bstart[idx[it]], full + buf);
+      bulk_load(dSs + buf * Tiles::DS_VALUES, ds + (int64_t)slots[it] * ds_slot_values(p.R, p.block),
+                sizeof(T) * Tiles::DS_VALUES, full + buf);
+      mbar_arrive(full + buf);
+    }
+    return;
+  }
+  const int wg = warpgroup_index() - 1, warp = warp_in_warpgroup(), lane = threadIdx.x % 32;
+  if (wg >= active) return;
+  float dq[1][D / 8][4];
+  zero(dq);
+  for (int it = 0; it < cnt; ++it) {
+    const int buf = it % STAGES;
+    mbar_wait(full + buf, (it / STAGES) & 1);
+    const T* src = dSs + buf * Tiles::DS_VALUES + 256 * 8 * (4 * wg + warp) + 8 * lane;
+    uint32_t a[1][DS_KEYS / 16][4];
+#pragma unroll
+    for (int c = 0; c < DS_KEYS / 16; ++c) *reinterpret_cast<uint4*>(a[0][c]) = *reinterpret_cast<const uint4*>(src + 256 * c);
+    accumulate_chunk<T, D, DS_KEYS>(dq, a, Ks + buf * Tiles::K_VALUES);
+    wgmma_wait<0>();
+    mbar_arrive(empty + buf);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int2 th = token_head(row0 + wg * WG_ROWS + warp * 16 + lane / 4 + 8 * h);
+    if (th.x >= qlen) continue;
+    uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) +
+                                                ((int64_t)(q0 + th.x) * p.HQ + g * p.R + th.y) * D + 2 * (lane % 4));
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) out[4 * j] = pack2<T>(dq[0][j][2 * h] * p.scale, dq[0][j][2 * h + 1] * p.scale);
+  }
 #else
   __trap();
 #endif

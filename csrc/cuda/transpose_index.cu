@@ -22,24 +22,30 @@ constexpr int LIST_THREADS = 256;  // one CTA per (group, KV block), one query b
 constexpr int LIST_WARPS = LIST_THREADS / 32;
 constexpr int SCAN_THREADS = 1024;
 
-// Whether a route row holds block j. The row's `cnt` valid entries are ascending (the route's
-// contract: selected blocks in order, the diagonal block, the largest, last).
-__device__ __forceinline__ bool row_holds(const int* __restrict__ row, int cnt, int j) {
+// Where a route row holds block j, or -1. The row's `cnt` valid entries are ascending (the
+// route's contract: selected blocks in order, the diagonal block, the largest, last).
+__device__ __forceinline__ int row_position(const int* __restrict__ row, int cnt, int j) {
   int lo = 0, hi = cnt;
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
     if (__ldg(row + mid) < j) lo = mid + 1;
     else hi = mid;
   }
-  return lo < cnt && __ldg(row + lo) == j;
+  return lo < cnt && __ldg(row + lo) == j ? lo : -1;
 }
 
-// Only rows i >= j can hold j (a row selects blocks up to its own).
+// Where row i of group g holds j, or -1. Only rows i >= j can hold j (a row selects blocks up
+// to its own).
+__device__ __forceinline__ int position(const int* kv_idx, const int* kv_cnt, int g, int nb, int width, int i,
+                                       int j) {
+  if (i >= nb) return -1;
+  const int64_t row = (int64_t)g * nb + i;
+  return row_position(kv_idx + row * width, __ldg(kv_cnt + row), j);
+}
+
 __device__ __forceinline__ bool holds(const int* kv_idx, const int* kv_cnt, int g, int nb, int width, int i,
                                       int j) {
-  if (i >= nb) return false;
-  const int64_t row = (int64_t)g * nb + i;
-  return row_holds(kv_idx + row * width, __ldg(kv_cnt + row), j);
+  return position(kv_idx, kv_cnt, g, nb, width, i, j) >= 0;
 }
 
 // counts[g * nb + j] (stored at q_ptr[g * nb + j + 1]) = query blocks that hold j.
@@ -93,15 +99,21 @@ __device__ __forceinline__ int2 pass_rank(bool hit) {
 }
 
 // q_idx[q_ptr[g * nb + j] ...]: the query blocks that hold j, ascending: each pass of the CTA
-// covers LIST_THREADS consecutive rows and writes its hits in row order.
+// covers LIST_THREADS consecutive rows and writes its hits in row order. Where `slots` is given
+// ([G, NB, width], like kv_idx), each hit's place in the transposed lists goes to the route's
+// entry it came from: the stored-dS backward's dQ walks the route and finds there the tile the
+// dK/dV kernel wrote while walking the transposed lists.
 __global__ void __launch_bounds__(LIST_THREADS)
-fill_kernel(const int* kv_idx, const int* kv_cnt, int nb, int width, const int* q_ptr, int* q_idx) {
+fill_kernel(const int* kv_idx, const int* kv_cnt, int nb, int width, const int* q_ptr, int* q_idx, int* slots) {
   const int g = blockIdx.y, j = blockIdx.x;
   int base = q_ptr[(int64_t)g * nb + j];
   for (int i0 = j; i0 < nb; i0 += LIST_THREADS) {
-    const bool hit = holds(kv_idx, kv_cnt, g, nb, width, i0 + threadIdx.x, j);
-    const int2 rank = pass_rank(hit);
-    if (hit) q_idx[base + rank.x] = i0 + threadIdx.x;
+    const int i = i0 + threadIdx.x, pos = position(kv_idx, kv_cnt, g, nb, width, i, j);
+    const int2 rank = pass_rank(pos >= 0);
+    if (pos >= 0) {
+      q_idx[base + rank.x] = i;
+      if (slots != nullptr) slots[((int64_t)g * nb + i) * width + pos] = base + rank.x;
+    }
     base += rank.y;
   }
 }
@@ -163,7 +175,9 @@ void check_route(const at::Tensor& kv_idx, const at::Tensor& kv_cnt) {
   MSB_CHECK(G < 65536, "at most 65535 KV-head groups, got ", G);
 }
 
-std::vector<at::Tensor> transpose_index_cuda(const at::Tensor& kv_idx, const at::Tensor& kv_cnt) {
+// (q_ptr, q_idx) and, with `with_slots`, slots [G, NB, K] (see fill_kernel; entries past a
+// row's count unspecified).
+std::vector<at::Tensor> transpose_index_cuda(const at::Tensor& kv_idx, const at::Tensor& kv_cnt, bool with_slots) {
   check_route(kv_idx, kv_cnt);
   const int64_t G = kv_idx.size(0), NB = kv_idx.size(1), K = kv_idx.size(2);
   const c10::cuda::CUDAGuard guard(kv_idx.device());
@@ -171,7 +185,15 @@ std::vector<at::Tensor> transpose_index_cuda(const at::Tensor& kv_idx, const at:
   // q_idx is sized by the upper bound G * NB * K: its true length, q_ptr[-1], is on the device,
   // and reading it would stop the host in every backward.
   at::Tensor q_ptr = at::empty({G * NB + 1}, opts), q_idx = at::empty({G * NB * K}, opts);
-  if (G * NB == 0) return {q_ptr.zero_(), q_idx};
+  at::Tensor slots = with_slots ? at::empty({G, NB, K}, opts) : at::Tensor();
+  const auto result = [&]() -> std::vector<at::Tensor> {
+    if (with_slots) return {q_ptr, q_idx, slots};
+    return {q_ptr, q_idx};
+  };
+  if (G * NB == 0) {
+    q_ptr.zero_();
+    return result();
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid((unsigned)NB, (unsigned)G);
   const int* idx = kv_idx.data_ptr<int>();
@@ -181,9 +203,9 @@ std::vector<at::Tensor> transpose_index_cuda(const at::Tensor& kv_idx, const at:
   scan_kernel<<<1, SCAN_THREADS, 0, stream>>>(q_ptr.data_ptr<int>(), (int)(G * NB));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   fill_kernel<<<grid, LIST_THREADS, 0, stream>>>(idx, cnt, (int)NB, (int)K, q_ptr.data_ptr<int>(),
-                                                 q_idx.data_ptr<int>());
+                                                 q_idx.data_ptr<int>(), with_slots ? slots.data_ptr<int>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {q_ptr, q_idx};
+  return result();
 }
 
 // (cnt [1, G R, NB f], idx [1, G R, NB f, out_width]) int32: fa4_backward_index_kernel's tensors
@@ -215,8 +237,9 @@ std::vector<at::Tensor> fa4_backward_index_cuda(const at::Tensor& kv_idx, const 
 
 void register_index_ops(pybind11::module& m) {
   m.def("transpose_index_cuda", &transpose_index_cuda,
-        "per-KV-block query index of a route (CUDA): (q_ptr [G*NB+1], q_idx [G*NB*K], valid up to q_ptr[-1])",
-        pybind11::arg("kv_idx"), pybind11::arg("kv_cnt"));
+        "per-KV-block query index of a route (CUDA): (q_ptr [G*NB+1], q_idx [G*NB*K], valid up to q_ptr[-1]), "
+        "with_slots: and slots [G, NB, K], each route entry's place in q_idx",
+        pybind11::arg("kv_idx"), pybind11::arg("kv_cnt"), pybind11::arg("with_slots") = false);
   m.def("fa4_backward_index_cuda", &fa4_backward_index_cuda,
         "flash-attn-4's transposed block-sparse tensors of a route for its backward, per query head (CUDA): "
         "(full_cnt [1, HQ, M], full_idx [1, HQ, M, out_width])",

@@ -17,6 +17,12 @@ class SparseAttentionConfig:
     """Kernel: auto (fastest measured on the device), cuda, triton, fa4 (flash-attn-4's block-sparse backward,
     non-deterministic, after our forward kernel on Hopper; FA4's forward elsewhere) or torch (the reference)."""
 
+    sparse_attn_ds_buffer_gib: float = 0.0
+    """GiB the cuda kernels' backward may take, per layer while it runs, to store dS and form dQ with one
+    product a tile instead of three (Hopper, --moba-block-size 128, head dim 128; where the buffer does not
+    fit, the two-pass backward runs). 3-7% faster at 3B (S = 32K/64K) for up to G * NB * k * R * 32 KiB
+    (16.7 GiB at 64K, k = 73, 16 heads in 2 groups). 0 keeps the two-pass backward; both are deterministic."""
+
     moba_block_size: int = 128
     """Tokens per attention block (64, 128 or 256)."""
 
@@ -34,6 +40,8 @@ class SparseAttentionConfig:
     def validate(self) -> "SparseAttentionConfig":
         validate_block_size(self.moba_block_size)
         check_request(self.sparse_attn_impl, self.deterministic_mode, self.moba_block_size)
+        if not self.sparse_attn_ds_buffer_gib >= 0:
+            raise ValueError(f"--sparse-attn-ds-buffer-gib must be >= 0 (GiB), got {self.sparse_attn_ds_buffer_gib}")
         if self.moba_topk < 1:
             raise ValueError(f"--moba-topk must be >= 1, got {self.moba_topk}")
         return self

@@ -180,4 +180,4 @@ class SparseCoreAttention(MegatronModule):
         self.last_stats = stats
         if scope is not None:
             scope.layers.append(LayerBudget(self.layer_number, stats))
-        return attention_function(impl)(q, k, v, blocks, self.softmax_scale)
+        return attention_function(impl, cfg.sparse_attn_ds_buffer_gib)(q, k, v, blocks, self.softmax_scale)

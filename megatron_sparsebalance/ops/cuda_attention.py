@@ -5,7 +5,8 @@ Owns the Python face of ``csrc/cuda/attention.cu``: its forward and backward, re
 every implementation (DESIGN.md §2). The backward adds no floating-point values atomically (the
 Hopper dK/dV sums the parts of the long query lists it cuts in a fixed order), so it is
 deterministic; its transposed (per-KV-block) index and the dK/dV's plan are built on the GPU
-without a host synchronisation.
+without a host synchronisation. With ``--sparse-attn-ds-buffer-gib`` the backward may store dS
+instead of forming it twice (:func:`takes_stored_ds`): memory for speed, deterministic as well.
 
 Shape legend: T tokens, HQ query heads, G KV-head groups, D head dim, NB blocks, K max budget.
 """
@@ -60,6 +61,24 @@ def _forward(q, k, v, kv_idx, kv_cnt, block_start, block_end, softmax_scale: flo
         q, k, v, kv_idx, kv_cnt, block_start, block_end, softmax_scale, block_size)
 
 
+def _backward_stored_ds(do, q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end, softmax_scale: float,
+                        block_size: int):
+    """:func:`_backward` with dS stored: dK/dV writes every dS tile it forms, and dQ = dS K reads them
+    back, one product a tile instead of the three of the two-pass dQ (csrc/cuda/attention_kernels_sm90.cuh,
+    "Stored dS"). Its buffer is sized by the route's shape (:func:`stored_ds_bytes`), not by its true
+    count of tiles, which only the device knows: reading it would stop the host in every layer."""
+    ext = native.native()
+    do = _aligned(do)
+    q_ptr, q_idx, slots = ext.transpose_index_cuda(kv_idx.contiguous(), kv_cnt.contiguous(), True)
+    ds = q.new_empty(stored_ds_bytes(q, k, kv_idx, block_size) // q.element_size())
+    dk, dv, delta = ext.sparse_attn_bwd_dkdv_cuda(
+        do, q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end, q_ptr, q_idx, softmax_scale, block_size, ds)
+    del q_ptr, q_idx, delta
+    dq = ext.sparse_attn_bwd_dq_from_ds_cuda(q, k, ds, slots, kv_idx, kv_cnt, block_start, block_end,
+                                             softmax_scale, block_size)
+    return dq, dk, dv
+
+
 def _backward(do, q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end, softmax_scale: float, block_size: int):
     """``(dq [T, HQ, D], dk [T, G, D], dv [T, G, D])``."""
     do = _aligned(do)
@@ -77,9 +96,26 @@ def _backward(do, q, k, v, out, lse, kv_idx, kv_cnt, block_start, block_end, sof
 # torch.library ops (traced by torch.compile) and the eager autograd path, see registration.py
 cuda_attention = register_attention("cuda", _forward, _backward)
 cuda_attn_fwd, cuda_attn_bwd = cuda_attention.forward_op, cuda_attention.backward_op
+cuda_stored_ds_attention = register_attention("cuda_stored_ds", _forward, _backward_stored_ds)
 
 
 HEAD_DIMS = (64, 128)  # the kernels' tiles (csrc/cuda/attention.cu checks it too)
+
+def stored_ds_bytes(q: torch.Tensor, k: torch.Tensor, kv_idx: torch.Tensor, block_size: int) -> int:
+    """Bytes of the stored-dS backward's buffer: a 16-bit value per (query head, query token of a
+    block, key of a selected block) for every entry the route's shape can hold (``G * NB * K``
+    entries of ``R * block * 128`` values)."""
+    groups, blocks, width = kv_idx.shape
+    return groups * blocks * width * (q.shape[1] // k.shape[1]) * block_size * 128 * q.element_size()
+
+
+def takes_stored_ds(q: torch.Tensor, k: torch.Tensor, route: BlockRoute, ds_buffer_bytes: int) -> bool:
+    """Whether the backward of this call stores dS (``--sparse-attn-ds-buffer-gib``): on Hopper at
+    block 128 and head dim 128, where its buffer fits ``ds_buffer_bytes``."""
+    block = int(route.layout.block_size)
+    return (ds_buffer_bytes > 0 and native.HAVE_NATIVE_CUDA and q.is_cuda
+            and native.native().stored_ds_supported(block, q.shape[-1])
+            and stored_ds_bytes(q, k, route.kv_idx, block) <= ds_buffer_bytes)
 
 
 def _kernel_args(q, k, v, route: BlockRoute, softmax_scale: float) -> tuple:
@@ -100,6 +136,7 @@ def forward_with_lse(q, k, v, route: BlockRoute, softmax_scale: float) -> tuple[
 
 def block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, route: BlockRoute, softmax_scale: Optional[float] = None,
+    ds_buffer_bytes: int = 0,
 ) -> torch.Tensor:
     """Block-sparse causal attention (CUDA C++).
 
@@ -107,9 +144,12 @@ def block_sparse_attention(
         q: ``[T, HQ, D]`` bf16/fp16, D in {64, 128}; k, v: ``[T, G, D]``, ``HQ % G == 0``.
         route: the selection (``kv_idx [G, NB, K]``, diagonal block last in each row).
         softmax_scale: defaults to ``1/sqrt(D)``.
+        ds_buffer_bytes: memory the backward may take to store dS (:func:`takes_stored_ds`); 0, the
+            default, keeps the two-pass backward. Both are deterministic.
     Returns:
         ``[T, HQ, D]``, differentiable with respect to q, k and v.
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return cuda_attention(*_kernel_args(q, k, v, route, softmax_scale))
+    attention = cuda_stored_ds_attention if takes_stored_ds(q, k, route, ds_buffer_bytes) else cuda_attention
+    return attention(*_kernel_args(q, k, v, route, softmax_scale))

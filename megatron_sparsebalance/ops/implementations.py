@@ -180,8 +180,9 @@ def _resolve_impl(impl: str, device: torch.device, deterministic: bool, block_si
     return impl
 
 
-def attention_function(impl: str) -> Callable:
-    """The attention function of a resolved implementation name."""
+def attention_function(impl: str, ds_buffer_gib: float = 0.0) -> Callable:
+    """The attention function of a resolved implementation name; ``cuda``'s backward may take up to
+    ``ds_buffer_gib`` GiB to store dS (``--sparse-attn-ds-buffer-gib``, read by no other)."""
     if impl == "torch":
         from megatron_sparsebalance.ops.gather import sparse_attention_gather
 
@@ -193,6 +194,8 @@ def attention_function(impl: str) -> Callable:
     if impl == "cuda":
         from megatron_sparsebalance.ops.cuda_attention import block_sparse_attention
 
+        if ds_buffer_gib > 0:
+            return functools.partial(block_sparse_attention, ds_buffer_bytes=int(min(ds_buffer_gib, 2.0**40) * 2**30))
         return block_sparse_attention
     if impl == "fa4":
         from megatron_sparsebalance.ops.fa4_attention import block_sparse_attention
