@@ -281,19 +281,27 @@ __device__ __forceinline__ void product_over_head_dim_rs(float (&acc)[N / 8][4],
 constexpr int DS_KEYS = 128;
 __host__ __device__ constexpr int64_t ds_slot_values(int R, int block) { return (int64_t)R * block * DS_KEYS; }
 
-// A consumer's dS^T fragments (its 16 keys a warp by QT query rows) into its tile: 8 x 8 matrix
-// (key half kh, query half qh) of A fragment index kh + 2 qh becomes matrix (qh, kh), index qh + 2 kh.
-template <typename T, int QT>
-__device__ __forceinline__ void store_ds_fragments(const uint32_t (&da)[1][QT / 16][4], T* ds_tile, int wg,
-                                                   int warp, int lane) {
-  T* const dst = ds_tile + 256 * (4 * wg + warp) + 8 * lane;
+// A consumer's dS^T fragments (its 16 keys a warp by QT query rows) as dQ's warps take dS: 8 x 8
+// matrix (key half kh, query half qh) of A fragment index kh + 2 qh becomes matrix (qh, kh),
+// index qh + 2 kh. Into new registers, so that dK's product may read da meanwhile (an A operand
+// in flight must not be touched) and the stores wait until it is issued: stored first, they held
+// its issue back and the kernel took 2% longer (3B 64K 25%, one H200).
+template <int QT>
+__device__ __forceinline__ void transpose_ds_fragments(const uint32_t (&da)[1][QT / 16][4], uint4 (&ds)[QT / 16]) {
 #pragma unroll
-  for (int s = 0; s < QT / 16; ++s) {
-    const uint4 v = make_uint4(movmatrix_trans(da[0][s][0]), movmatrix_trans(da[0][s][2]),
-                               movmatrix_trans(da[0][s][1]), movmatrix_trans(da[0][s][3]));
-    // Streaming: dQ reads it after the whole dK/dV, long after L2 would have kept it.
-    __stcs(reinterpret_cast<uint4*>(dst + 256 * 8 * s), v);
-  }
+  for (int s = 0; s < QT / 16; ++s)
+    ds[s] = make_uint4(movmatrix_trans(da[0][s][0]), movmatrix_trans(da[0][s][2]), movmatrix_trans(da[0][s][1]),
+                       movmatrix_trans(da[0][s][3]));
+}
+
+// Those fragments into this consumer's sub-blocks of its tile, a warp's 512 contiguous bytes a store.
+template <typename T, int QT>
+__device__ __forceinline__ void store_ds_fragments(const uint4 (&ds)[QT / 16], T* ds_tile, int wg, int warp,
+                                                   int lane) {
+  T* const dst = ds_tile + 256 * (4 * wg + warp) + 8 * lane;
+  // Streaming: dQ reads it after the whole dK/dV, long after L2 would have kept it.
+#pragma unroll
+  for (int s = 0; s < QT / 16; ++s) __stcs(reinterpret_cast<uint4*>(dst + 256 * 8 * s), ds[s]);
 }
 
 // One query tile of a consumer's 64 keys: the four products and the scores between them (the
@@ -373,11 +381,13 @@ __device__ __forceinline__ void dkdv_tile(float (&dk)[1][D / 8][4], float (&dv)[
       else
         da[0][s][h] = pack2<T>(st[0][j][e0] * (dpt[0][j][e0] - dl.x), st[0][j][e0 + 1] * (dpt[0][j][e0 + 1] - dl.y));
     }
-  if constexpr (STORE_DS) store_ds_fragments<T, QT>(da, ds_tile, wg, warp, lane);
+  uint4 ds[STORE_DS ? QT / 16 : 1];
+  if constexpr (STORE_DS) transpose_ds_fragments<QT>(da, ds);
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < QT / 16; ++s) wgmma_rs_tb<T, D>(dk[0], da[0][s], mnmajor_at<T>(q_mn, 16 * s), true);
   wgmma_commit();
+  if constexpr (STORE_DS) store_ds_fragments<T, QT>(ds, ds_tile, wg, warp, lane);
 }
 
 // dK (times the softmax scale) and dV of this lane's two keys, rows key0 and key0 + 8 of the
