@@ -20,8 +20,8 @@ class SparseAttentionConfig:
     sparse_attn_ds_buffer_gib: float = 0.0
     """GiB the cuda kernels' backward may take, per layer while it runs, to store dS and form dQ with one
     product a tile instead of three (Hopper, --moba-block-size 128, head dim 128; where the buffer does not
-    fit, the two-pass backward runs). 3-7% faster at 3B (S = 32K/64K) for up to G * NB * k * R * 32 KiB
-    (16.7 GiB at 64K, k = 73, 16 heads in 2 groups). 0 keeps the two-pass backward; both are deterministic."""
+    fit, the two-pass backward runs). 1-7% faster at 3B (S = 32K/64K) for up to G * NB * k * R * 32 KiB
+    (17.25 GiB for Qwen2.5-3B at 64K, k = 69). 0 keeps the two-pass backward; both are deterministic."""
 
     moba_block_size: int = 128
     """Tokens per attention block (64, 128 or 256)."""
