@@ -328,6 +328,17 @@ bool stored_ds_supported(int64_t block, int64_t head_dim) {
   return block == kernels::sm90::DS_KEYS && head_dim == 128 && use_sm90((int)block, 128);
 }
 
+// The stored-dS buffer: a slot for every entry the route's shape holds (G * NB * K), since the
+// true count is on the device and the kernels index slots up to it.
+void check_ds(const at::Tensor& ds, const at::Tensor& q, const at::Tensor& k, const at::Tensor& kv_idx,
+              int64_t block) {
+  const int64_t slots = kv_idx.size(0) * kv_idx.size(1) * kv_idx.size(2);
+  MSB_CHECK(ds.is_cuda() && ds.is_contiguous() && ds.scalar_type() == q.scalar_type() && aligned16(ds) &&
+                ds.numel() == slots * kernels::sm90::ds_slot_values((int)(q.size(1) / k.size(1)), (int)block),
+            "ds must be a contiguous, 16-byte aligned tensor of q's dtype of G * NB * K slots of R * block * 128 "
+            "values");
+}
+
 // dK, dV and delta (= rowsum(out * dout), which dQ needs as well). The caller frees the
 // transposed index (q_ptr, q_idx) before it asks for dQ, so the backward's peak holds the three
 // gradients and delta but never the index beside dQ.
@@ -341,9 +352,7 @@ std::vector<at::Tensor> sparse_attn_bwd_dkdv_cuda(const at::Tensor& dout, const 
   if (ds.has_value()) {
     MSB_CHECK(stored_ds_supported(block, q.size(2)),
               "the stored-dS backward runs on Hopper (sm_90a) at block 128 and head dim 128 only");
-    MSB_CHECK(ds->is_cuda() && ds->is_contiguous() && ds->scalar_type() == q.scalar_type() && aligned16(*ds) &&
-                  ds->numel() % kernels::sm90::ds_slot_values((int)(q.size(1) / k.size(1)), (int)block) == 0,
-              "ds must be a contiguous, 16-byte aligned tensor of q's dtype holding whole slots");
+    check_ds(*ds, q, k, kv_idx, block);
   }
   check_backward_inputs(dout, q, lse);
   MSB_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type() && aligned16(out),
@@ -416,8 +425,7 @@ at::Tensor sparse_attn_bwd_dq_from_ds_cuda(const at::Tensor& q, const at::Tensor
   check_inputs(q, k, k, kv_idx, kv_cnt, bstart, bend, block);
   MSB_CHECK(stored_ds_supported(block, q.size(2)),
             "the stored-dS backward runs on Hopper (sm_90a) at block 128 and head dim 128 only");
-  MSB_CHECK(ds.is_cuda() && ds.is_contiguous() && ds.scalar_type() == q.scalar_type() && aligned16(ds),
-            "ds must be a contiguous, 16-byte aligned tensor of q's dtype");
+  check_ds(ds, q, k, kv_idx, block);
   MSB_CHECK(slots.is_cuda() && slots.scalar_type() == at::kInt && slots.is_contiguous() &&
                 slots.sizes() == kv_idx.sizes(),
             "slots must be a contiguous int32 CUDA tensor shaped like kv_idx");

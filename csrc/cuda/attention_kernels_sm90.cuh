@@ -272,12 +272,12 @@ __device__ __forceinline__ void product_over_head_dim_rs(float (&acc)[N / 8][4],
 // A route entry's tile is one slot, at its place in the transposed lists (q_ptr + e, which the
 // dK/dV walk knows; transpose_index's slots give it to the route's walk). A slot's rows are the
 // dK/dV query tiles in order (rows h block + t heads of its tile (h, t), BoxWalk), and its values
-// are grouped by 16 x 16 sub-blocks, row group fastest-but-one: the sub-block of rows 16 r and
-// keys 16 c holds, for each lane l, the A fragment of dS that lane l of an m64 wgmma's warp takes
-// (mma's order: rows l / 4 and + 8, keys 2 (l % 4), + 1 and + 8), 16 bytes at 8 (32 (8 r + c) +
-// l) values. dK/dV holds dS transposed (keys as rows) in exactly these registers, so each of its
-// 8 x 8 matrices is one movmatrix away; dQ's warps read their fragments back as 16-byte vectors, a
-// warp 512 contiguous bytes, after one bulk copy of a whole 128-row tile.
+// are grouped by 16 x 16 sub-blocks: the sub-block of rows 16 r and keys 16 c holds, for each
+// lane l, the A fragment of dS that lane l of an m64 wgmma's warp takes (mma's order: rows l / 4
+// and + 8, keys 2 (l % 4), + 1 and + 8), 16 bytes at 8 (32 (8 r + c) + l) values. dK/dV holds
+// dS transposed (keys as rows) in exactly these registers, so each of its 8 x 8 matrices is one
+// movmatrix away; dQ's warps read their fragments back as 16-byte vectors, a warp 512
+// contiguous bytes, after one bulk copy of a whole 128-row tile.
 constexpr int DS_KEYS = 128;
 __host__ __device__ constexpr int64_t ds_slot_values(int R, int block) { return (int64_t)R * block * DS_KEYS; }
 
@@ -1118,10 +1118,12 @@ __global__ void __launch_bounds__(QueryTiles<T, D, 2, CH, CONSUMERS>::THREADS, 1
 // TMA and the CTA's 32 KB of dS by one bulk copy into a ring of STAGES buffers) and two
 // consumers, each owning 64 of the rows: dQ += dS K per entry, dS's fragments from shared memory
 // into registers (the layout above), K read transposed as in dq_kernel. No mask: dK/dV stored the
-// masked and past-the-block values as zeros.
+// masked and past-the-block values as zeros. Head dim 128 only (stored_ds_supported in attention.cu
+// says why): a stage is 32 KB of K and 32 KB of dS, and three fill the SM's shared memory.
 template <typename T, int D>
 struct DsTiles {
-  static constexpr int BM = 2 * WG_ROWS, THREADS = 3 * WG_THREADS, STAGES = D == 128 ? 3 : 4;
+  static_assert(D == 128, "the stored-dS backward runs at head dim 128");
+  static constexpr int BM = 2 * WG_ROWS, THREADS = 3 * WG_THREADS, STAGES = 3;
   static constexpr int K_VALUES = DS_KEYS * D, DS_VALUES = BM * DS_KEYS;
   static constexpr size_t smem_bytes() {
     return SW_ALIGN + sizeof(T) * STAGES * (K_VALUES + DS_VALUES) + sizeof(uint64_t) * 2 * STAGES;
@@ -1173,8 +1175,9 @@ __global__ void __launch_bounds__(DsTiles<T, D>::THREADS, 1)
       if (it >= STAGES) mbar_wait(empty + buf, (it / STAGES - 1) & 1);
       T* const k_dst = Ks + buf * Tiles::K_VALUES;
       mbar_expect_tx(full + buf, sizeof(T) * (Tiles::K_VALUES + Tiles::DS_VALUES));
+      const int k0 = p.bstart[idx[it]];
 #pragma unroll
-      for (int c = 0; c < D; c += SW_COLS) tma_load_3d(k_dst + c * DS_KEYS, &k_map, c, g, p.bstart[idx[it]], full + buf);
+      for (int c = 0; c < D; c += SW_COLS) tma_load_3d(k_dst + c * DS_KEYS, &k_map, c, g, k0, full + buf);
       bulk_load(dSs + buf * Tiles::DS_VALUES, ds + (int64_t)slots[it] * ds_slot_values(p.R, p.block),
                 sizeof(T) * Tiles::DS_VALUES, full + buf);
       mbar_arrive(full + buf);
@@ -1191,11 +1194,14 @@ __global__ void __launch_bounds__(DsTiles<T, D>::THREADS, 1)
     const T* src = dSs + buf * Tiles::DS_VALUES + 256 * 8 * (4 * wg + warp) + 8 * lane;
     uint32_t a[1][DS_KEYS / 16][4];
 #pragma unroll
-    for (int c = 0; c < DS_KEYS / 16; ++c) *reinterpret_cast<uint4*>(a[0][c]) = *reinterpret_cast<const uint4*>(src + 256 * c);
+    for (int c = 0; c < DS_KEYS / 16; ++c)
+      *reinterpret_cast<uint4*>(a[0][c]) = *reinterpret_cast<const uint4*>(src + 256 * c);
     accumulate_chunk<T, D, DS_KEYS>(dq, a, Ks + buf * Tiles::K_VALUES);
     wgmma_wait<0>();
     mbar_arrive(empty + buf);
   }
+  // Stored from the fragments as they lie, each quad of lanes 16 bytes of a row: once a CTA, beside a
+  // walk of up to k tiles of 64 KB.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int2 th = token_head(row0 + wg * WG_ROWS + warp * 16 + lane / 4 + 8 * h);
