@@ -86,3 +86,16 @@ def test_taken_only_where_the_buffer_fits_at_block_128(stored_ds):
     assert not cuda_attention.takes_stored_ds(q, k, route, UNLIMITED)  # block 64
     q, k, _, route = _pack([2048, 700], 14, 2, 64, torch.bfloat16, 128, 4)
     assert not cuda_attention.takes_stored_ds(q, k, route, UNLIMITED)  # head dim 64
+
+
+def test_a_buffer_short_of_the_routes_shape_is_refused(stored_ds):
+    """The kernels index slots up to a count only the device knows: a buffer of any other size than
+    the route's shape holds is an error naming it, before a kernel runs."""
+    q, k, _, route = _pack([1000], 16, 2, 128, torch.bfloat16, 128, 3)
+    ext = native.native()
+    _, _, slots = ext.transpose_index_cuda(route.kv_idx, route.kv_cnt, True)
+    lay = route.layout
+    short = q.new_empty(cuda_attention.stored_ds_bytes(q, k, route.kv_idx, 128) // 2 - 8 * 128 * 128)
+    with pytest.raises(RuntimeError, match="G \\* NB \\* K slots"):
+        ext.sparse_attn_bwd_dq_from_ds_cuda(q.detach(), k.detach(), short, slots, route.kv_idx, route.kv_cnt,
+                                            lay.block_start, lay.block_end, 0.1, 128)
