@@ -70,11 +70,26 @@ def test_budget_scope_overrides_and_reports():
     [(dict(moba_block_size=100), "--moba-block-size"), (dict(moba_topk=0), "--moba-topk"),
      (dict(sparse_attn_impl="fast"), "--sparse-attn-impl"),
      (dict(sparse_attn_ds_buffer_gib=-1.0), "--sparse-attn-ds-buffer-gib"),
-     (dict(sparse_attn_ds_buffer_gib=float("nan")), "--sparse-attn-ds-buffer-gib")],
+     (dict(sparse_attn_ds_buffer_gib=float("nan")), "--sparse-attn-ds-buffer-gib"),
+     (dict(sparse_attn_ds_buffer_gib=1.0), "--sparse-attn-ds-buffer-gib .* --sparse-attn-impl cuda or auto, got torch"),
+     (dict(sparse_attn_ds_buffer_gib=1.0, sparse_attn_impl="auto", moba_block_size=64),
+      "--sparse-attn-ds-buffer-gib needs --moba-block-size 128"),
+     (dict(sparse_attn_ds_buffer_gib=1.0, sparse_attn_impl="auto"), "--sparse-attn-ds-buffer-gib needs head dim 128")],
 )
 def test_bad_config_names_the_flag(kwargs, match):
     with pytest.raises(ValueError, match=match):
         core_attention(**kwargs)
+
+
+def test_ds_buffer_where_auto_resolves_to_another_kernel_is_an_error_at_the_first_call():
+    """On this CPU auto runs the torch implementation: the dS buffer could never be used, and the
+    layer says so rather than ignoring the flag."""
+    cfg = transformer_config(MODEL_PRESETS["tiny"])
+    cfg.kv_channels = 128
+    attn = SparseCoreAttention(cfg, 1, AttnMaskType.causal,
+                               sparse_config=SparseAttentionConfig(sparse_attn_impl="auto", sparse_attn_ds_buffer_gib=1.0))
+    with pytest.raises(ValueError, match="--sparse-attn-ds-buffer-gib .* resolved to torch"):
+        attn(torch.randn(256, 1, 4, 128), torch.randn(256, 1, 2, 128), torch.randn(256, 1, 2, 128), None)
 
 
 def test_ds_buffer_reaches_only_the_cuda_backward():

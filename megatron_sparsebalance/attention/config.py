@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_sparsebalance.ops.implementations import check_request
+from megatron_sparsebalance.ops.implementations import check_ds_buffer_request, check_request
 from megatron_sparsebalance.ops.layout import validate_block_size
 
 
@@ -19,8 +19,8 @@ class SparseAttentionConfig:
 
     sparse_attn_ds_buffer_gib: float = 0.0
     """GiB the cuda kernels' backward may take, per layer while it runs, to store dS and form dQ with one
-    product a tile instead of three (Hopper, --moba-block-size 128, head dim 128; where the buffer does not
-    fit, the two-pass backward runs). 1-7% faster at 3B (S = 32K/64K) for up to G * NB * k * R * 32 KiB
+    product a tile instead of three (Hopper, --moba-block-size 128, head dim 128, --sparse-attn-impl cuda or auto,
+    else an error; where the buffer does not fit a call, that call runs the two-pass backward). 1-7% faster at 3B (S = 32K/64K) for up to G * NB * k * R * 32 KiB
     (17.25 GiB for Qwen2.5-3B at 64K, k = 69). 0 keeps the two-pass backward; both are deterministic."""
 
     moba_block_size: int = 128
@@ -40,8 +40,7 @@ class SparseAttentionConfig:
     def validate(self) -> "SparseAttentionConfig":
         validate_block_size(self.moba_block_size)
         check_request(self.sparse_attn_impl, self.deterministic_mode, self.moba_block_size)
-        if not self.sparse_attn_ds_buffer_gib >= 0:
-            raise ValueError(f"--sparse-attn-ds-buffer-gib must be >= 0 (GiB), got {self.sparse_attn_ds_buffer_gib}")
+        check_ds_buffer_request(self.sparse_attn_ds_buffer_gib, self.sparse_attn_impl, self.moba_block_size)
         if self.moba_topk < 1:
             raise ValueError(f"--moba-topk must be >= 1, got {self.moba_topk}")
         return self

@@ -23,7 +23,13 @@ from megatron.core.utils import divide
 from megatron_sparsebalance.attention.budget import LayerBudget, active_scope
 from megatron_sparsebalance.attention.tensor_parallel import tensor_parallel_route_sync
 from megatron_sparsebalance.attention.config import SparseAttentionConfig
-from megatron_sparsebalance.ops.implementations import attention_function, check_request, resolve_impl
+from megatron_sparsebalance.ops.implementations import (
+    attention_function,
+    check_ds_buffer_request,
+    check_request,
+    check_stored_ds_runs,
+    resolve_impl,
+)
 from megatron_sparsebalance.ops.layout import LayoutCache, uniform_cu_seqlens
 from megatron_sparsebalance.ops.dense import dense_causal_attention
 from megatron_sparsebalance.ops.sparse_attention import RouteStats, RouteSync, check_qkv, route
@@ -125,7 +131,11 @@ class SparseCoreAttention(MegatronModule):
         # Megatron-LM's --deterministic-mode reaches us as the TransformerConfig field; ours as the flag.
         self.deterministic = bool(self.sparse_config.deterministic_mode or getattr(config, "deterministic_mode", False))
         if self.sparse_config.sparse_attention:
-            check_request(self.sparse_config.sparse_attn_impl, self.deterministic, self.sparse_config.moba_block_size)
+            cfg = self.sparse_config
+            check_request(cfg.sparse_attn_impl, self.deterministic, cfg.moba_block_size)
+            check_ds_buffer_request(cfg.sparse_attn_ds_buffer_gib, cfg.sparse_attn_impl, cfg.moba_block_size,
+                                    self.head_dim)
+        self._stored_ds_checked = False  # --sparse-attn-ds-buffer-gib against the device, at the first call
 
     def forward(
         self,
@@ -169,6 +179,9 @@ class SparseCoreAttention(MegatronModule):
         if not cfg.sparse_attention:
             return dense_causal_attention(q, k, v, cu_seqlens, self.softmax_scale, host_cu_seqlens)
         impl = resolve_impl(cfg.sparse_attn_impl, q.device, self.deterministic, cfg.moba_block_size)
+        if cfg.sparse_attn_ds_buffer_gib > 0 and not self._stored_ds_checked:
+            check_stored_ds_runs(cfg.sparse_attn_impl, impl, q.device, cfg.moba_block_size, self.head_dim)
+            self._stored_ds_checked = True
         scope = active_scope()
         request = scope.request if scope is not None else None
         budget = request.k if request is not None else cfg.moba_topk

@@ -160,6 +160,38 @@ def check_request(impl: str, deterministic: bool = False, block_size: Optional[i
         check_block_size(block_size)
 
 
+def check_ds_buffer_request(ds_buffer_gib: float, impl: str, block_size: Optional[int] = None,
+                            head_dim: Optional[int] = None) -> None:
+    """The checks of ``--sparse-attn-ds-buffer-gib`` that need no device: a memory the stored-dS
+    backward of the cuda kernels may take, so it must be a size, and where it could never take
+    effect (another implementation named, blocks or heads the kernels do not store dS for) it is
+    an error rather than a flag that does nothing."""
+    if not ds_buffer_gib >= 0:
+        raise ValueError(f"--sparse-attn-ds-buffer-gib must be >= 0 (GiB), got {ds_buffer_gib}")
+    if ds_buffer_gib == 0:
+        return
+    if impl not in ("auto", "cuda"):
+        raise ValueError(f"--sparse-attn-ds-buffer-gib is memory for the cuda kernels' backward: it needs "
+                         f"--sparse-attn-impl cuda or auto, got {impl}")
+    if block_size is not None and block_size != 128:
+        raise ValueError(f"--sparse-attn-ds-buffer-gib needs --moba-block-size 128 (the stored dS tiles are 128 "
+                         f"keys), got {block_size}")
+    if head_dim is not None and head_dim != 128:
+        raise ValueError(f"--sparse-attn-ds-buffer-gib needs head dim 128 (--kv-channels; at 64 the stored-dS "
+                         f"backward is slower and less exact than the two-pass one), got {head_dim}")
+
+
+def check_stored_ds_runs(requested: str, impl: str, device: torch.device, block_size: int, head_dim: int) -> None:
+    """``--sparse-attn-ds-buffer-gib`` where the layer first runs: the resolved implementation is
+    cuda and this GPU has the Hopper kernels that store dS."""
+    if impl != "cuda":
+        raise ValueError(f"--sparse-attn-ds-buffer-gib is memory for the cuda kernels' backward, and "
+                         f"--sparse-attn-impl {requested} resolved to {impl} on {device_name(device) or device}")
+    if not native.native().stored_ds_supported(block_size, head_dim):
+        raise ValueError(f"--sparse-attn-ds-buffer-gib needs the Hopper (sm_90a) kernels, which "
+                         f"{device_name(device)} with this build does not run")
+
+
 def resolve_impl(impl: str, device, deterministic: bool = False, block_size: Optional[int] = None) -> str:
     """The implementation that runs for the requested ``--sparse-attn-impl`` on ``device``.
 
