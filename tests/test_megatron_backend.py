@@ -86,8 +86,8 @@ def test_ds_buffer_where_auto_resolves_to_another_kernel_is_an_error_at_the_firs
     layer says so rather than ignoring the flag."""
     cfg = transformer_config(MODEL_PRESETS["tiny"])
     cfg.kv_channels = 128
-    attn = SparseCoreAttention(cfg, 1, AttnMaskType.causal,
-                               sparse_config=SparseAttentionConfig(sparse_attn_impl="auto", sparse_attn_ds_buffer_gib=1.0))
+    sparse = SparseAttentionConfig(sparse_attn_impl="auto", sparse_attn_ds_buffer_gib=1.0)
+    attn = SparseCoreAttention(cfg, 1, AttnMaskType.causal, sparse_config=sparse)
     with pytest.raises(ValueError, match="--sparse-attn-ds-buffer-gib .* resolved to torch"):
         attn(torch.randn(256, 1, 4, 128), torch.randn(256, 1, 2, 128), torch.randn(256, 1, 2, 128), None)
 

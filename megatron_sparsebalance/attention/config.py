@@ -19,9 +19,10 @@ class SparseAttentionConfig:
 
     sparse_attn_ds_buffer_gib: float = 0.0
     """GiB the cuda kernels' backward may take, per layer while it runs, to store dS and form dQ with one
-    product a tile instead of three (Hopper, --moba-block-size 128, head dim 128, --sparse-attn-impl cuda or auto,
-    else an error; where the buffer does not fit a call, that call runs the two-pass backward). 1-7% faster at 3B (S = 32K/64K) for up to G * NB * k * R * 32 KiB
-    (17.25 GiB for Qwen2.5-3B at 64K, k = 69). 0 keeps the two-pass backward; both are deterministic."""
+    product a tile instead of three (Hopper, --moba-block-size 128, head dim 128, --sparse-attn-impl cuda or
+    auto, else an error; a call whose buffer does not fit runs the two-pass backward). 1-7% faster at 3B
+    (S = 32K/64K) for up to G * NB * k * R * 32 KiB (17.25 GiB for Qwen2.5-3B at 64K, k = 69). 0 keeps the
+    two-pass backward; both are deterministic."""
 
     moba_block_size: int = 128
     """Tokens per attention block (64, 128 or 256)."""

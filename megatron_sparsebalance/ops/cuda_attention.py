@@ -101,6 +101,7 @@ cuda_stored_ds_attention = register_attention("cuda_stored_ds", _forward, _backw
 
 HEAD_DIMS = (64, 128)  # the kernels' tiles (csrc/cuda/attention.cu checks it too)
 
+
 def stored_ds_bytes(q: torch.Tensor, k: torch.Tensor, kv_idx: torch.Tensor, block_size: int) -> int:
     """Bytes of the stored-dS backward's buffer: a 16-bit value per (query head, query token of a
     block, key of a selected block) for every entry the route's shape can hold (``G * NB * K``
