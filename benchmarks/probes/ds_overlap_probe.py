@@ -31,7 +31,7 @@ class GroupInputs:
         self.kv_idx = route.kv_idx[g0:g1].contiguous()
         self.kv_cnt = route.kv_cnt[g0:g1].contiguous()
         self.rest = args[2:]  # block_start, block_end, scale, block
-        self.ds = self.q.new_empty(stored_ds_bytes(self.q, self.k, self.kv_idx, args[-1]) // 2)
+        self.ds = self.q.new_empty(stored_ds_bytes(self.q, self.k, self.kv_idx, args[-1]) // self.q.element_size())
 
 
 def dkdv(x, ds):
