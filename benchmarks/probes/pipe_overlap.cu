@@ -83,6 +83,24 @@ __device__ __forceinline__ void fold_ones(uint32_t (&a)[4], int c0, int lane) {
   a[2] = a[3] = 0u;
 }
 
+// What the fold's products take beside the tiles: the statistics tile's descriptor and the ones.
+struct FoldOperands {
+  uint64_t desc;
+  uint32_t ones_lse[4], ones_dl[4];
+};
+
+// acc = A[a_row0, +64) . B^T over the head dim, then the fold's fifth K step (ones x the
+// statistics tile), as one commit group.
+__device__ __forceinline__ void folded_product(float (&acc)[NJ][4], uint64_t a_desc, int a_row0, uint64_t b_desc,
+                                               const uint32_t (&ones)[4], uint64_t stats_desc) {
+#pragma unroll
+  for (int k = 0; k < D; k += 16)
+    s90::wgmma_ss<T, QT>(acc, s90::kmajor_at<T, KV_ROWS>(a_desc, a_row0, k), s90::kmajor_at<T, QT>(b_desc, 0, k),
+                         k > 0);
+  s90::wgmma_rs<T, QT>(acc, ones, stats_desc, true);
+  s90::wgmma_commit();
+}
+
 // Named barriers 2 and 3: the turns of step_turns (0 is __syncthreads').
 template <int ID>
 __device__ __forceinline__ void turn_sync() { asm volatile("bar.sync %0, 256;\n" ::"n"(ID) : "memory"); }
@@ -94,8 +112,7 @@ template <bool EXPS, bool INTERLEAVED, bool SPLIT = false, bool TURNS = false, b
 __device__ __forceinline__ void dkdv_like_step(float (&dk)[1][D / 8][4], float (&dv)[1][D / 8][4], uint64_t k_desc,
                                                uint64_t v_desc, uint64_t q_k, uint64_t do_k, uint64_t q_mn,
                                                uint64_t do_mn, int wg, float lse, float dl, float c,
-                                               uint64_t ext_desc = 0, const uint32_t* a_lse = nullptr,
-                                               const uint32_t* a_dl = nullptr) {
+                                               const FoldOperands* fold = nullptr) {
   static_assert(!SPLIT || INTERLEAVED, "the split order interleaves dV's products");
   float st[1][NJ][4], dpt[1][NJ][4];
   if constexpr (TURNS) {
@@ -109,22 +126,12 @@ __device__ __forceinline__ void dkdv_like_step(float (&dk)[1][D / 8][4], float (
     s90::product_over_head_dim<T, D, KV_ROWS, QT / 2>(*reinterpret_cast<Half*>(&st[0][NJ / 2]), k_desc,
                                                       wg * s90::WG_ROWS, s90::desc_at<T>(q_k, QT / 2 * s90::SW_COLS));
   } else if constexpr (FOLD) {  // S'^T = [K 1] [Q -lse/c]^T, dP'^T = [V 1] [dO -delta]^T
-#pragma unroll
-    for (int k = 0; k < D; k += 16)
-      s90::wgmma_ss<T, QT>(st[0], s90::kmajor_at<T, KV_ROWS>(k_desc, wg * s90::WG_ROWS, k),
-                           s90::kmajor_at<T, QT>(q_k, 0, k), k > 0);
-    s90::wgmma_rs<T, QT>(st[0], *reinterpret_cast<const uint32_t(*)[4]>(a_lse), ext_desc, true);
-    s90::wgmma_commit();
+    folded_product(st[0], k_desc, wg * s90::WG_ROWS, q_k, fold->ones_lse, fold->desc);
   } else {
     s90::product_over_head_dim<T, D, KV_ROWS, QT>(st[0], k_desc, wg * s90::WG_ROWS, q_k);
   }
   if constexpr (FOLD) {
-#pragma unroll
-    for (int k = 0; k < D; k += 16)
-      s90::wgmma_ss<T, QT>(dpt[0], s90::kmajor_at<T, KV_ROWS>(v_desc, wg * s90::WG_ROWS, k),
-                           s90::kmajor_at<T, QT>(do_k, 0, k), k > 0);
-    s90::wgmma_rs<T, QT>(dpt[0], *reinterpret_cast<const uint32_t(*)[4]>(a_dl), ext_desc, true);
-    s90::wgmma_commit();
+    folded_product(dpt[0], v_desc, wg * s90::WG_ROWS, do_k, fold->ones_dl, fold->desc);
   } else {
     s90::product_over_head_dim<T, D, KV_ROWS, QT>(dpt[0], v_desc, wg * s90::WG_ROWS, do_k);
   }
@@ -201,10 +208,10 @@ __device__ __forceinline__ long long run_role(const T* Ks, const T* Vs, const T*
   const uint64_t q_k = s90::kmajor_tile<QT>(Qs), do_k = s90::kmajor_tile<QT>(dOs);
   const uint64_t q_mn = s90::mnmajor_tile<T, QT>(Qs), do_mn = s90::mnmajor_tile<T, QT>(dOs);
   const float lse = 0.25f, dl = 0.125f;
-  const uint64_t ext_desc = sw32_desc(ext_s);
-  uint32_t a_lse[4], a_dl[4];
-  fold_ones(a_lse, FOLD_LSE_COL, lane);
-  fold_ones(a_dl, FOLD_DELTA_COL, lane);
+  FoldOperands fold_ops;
+  fold_ops.desc = sw32_desc(ext_s);
+  fold_ones(fold_ops.ones_lse, FOLD_LSE_COL, lane);
+  fold_ones(fold_ops.ones_dl, FOLD_DELTA_COL, lane);
   float dk[1][D / 8][4], dv[1][D / 8][4], acc[NJ][4], vals[ROLE == exps ? 64 : 1];
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
@@ -252,7 +259,7 @@ __device__ __forceinline__ long long run_role(const T* Ks, const T* Vs, const T*
       dkdv_like_step<true, true, true>(dk, dv, k_desc, v_desc, q_k, do_k, q_mn, do_mn, wg, lse, dl, c);
     } else if constexpr (ROLE == fold || ROLE == fold_il) {
       dkdv_like_step<true, ROLE == fold_il, false, false, true>(dk, dv, k_desc, v_desc, q_k, do_k, q_mn, do_mn, wg, lse,
-                                                                 dl, c, ext_desc, a_lse, a_dl);
+                                                                 dl, c, &fold_ops);
     } else if constexpr (ROLE == step_turns) {
       dkdv_like_step<true, false, false, true>(dk, dv, k_desc, v_desc, q_k, do_k, q_mn, do_mn, wg, lse, dl, c);
     } else if constexpr (ROLE == tile) {
