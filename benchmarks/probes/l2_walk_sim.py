@@ -1,0 +1,98 @@
+"""Probe (CPU only): how often dK/dV's reads of the query tiles could hit in L2, by the order in which
+the CTAs walk their lists (docs/FA4.md, "What it would take", which has the figures).
+
+A dK/dV CTA owns one (KV group, KV block) pair and walks the query blocks that select it, reading
+each one's Q and dO tiles; a query block is read once for every KV block it selects. This
+simulates the walk at 3B 64K 25% (512 blocks of 128, 2 groups, 69 selected blocks a query block as
+the benchmark's random selection picks them: the diagonal and the rest at random), with the plan's
+cut into parts no longer than an SM's share and its longest-first order on 132 SMs, one time unit
+a list entry, and counts hits of those reads in an LRU cache of whole query blocks (Q and dO of a
+group's 8 heads: 512 KiB each) of 40 MB. Orders:
+
+* ``plan``: every part walks its entries from the end (the kernels' order);
+* ``rotated``: every part starts where the CTAs running when it starts stand (their median query
+  block, known here, which a kernel could only estimate) and wraps around, its diagonal last;
+* ``query order``: every read of the whole backward in descending query block, group by group (what
+  bands tend to).
+
+    python3 -m benchmarks.probes.l2_walk_sim
+"""
+from __future__ import annotations
+
+import heapq
+import random
+from collections import OrderedDict
+
+NB, K, GROUPS, SMS = 512, 69, 2, 132
+TILE_BYTES, L2_BYTES = 8 * 128 * 128 * 2 * 2, 40 << 20
+
+
+def selection(seed: int = 0) -> dict:
+    """Per (group, KV block): the query blocks selecting it, ascending (the transposed index)."""
+    rnd = random.Random(seed)
+    lists = {(g, kb): [] for g in range(GROUPS) for kb in range(NB)}
+    for g in range(GROUPS):
+        for q in range(NB):
+            for kb in [q] + rnd.sample(range(q), min(K - 1, q)):
+                lists[(g, kb)].append(q)
+    for blocks in lists.values():
+        blocks.sort()
+    return lists
+
+
+def parts_longest_first(lists: dict) -> list:
+    """The plan's parts ``(pair, lo, hi)``: lists longer than an SM's share cut into equal parts."""
+    cap = max(2, -(-sum(map(len, lists.values())) // SMS))
+    parts = []
+    for pair, blocks in lists.items():
+        n = max(1, -(-len(blocks) // cap))
+        parts += [(pair, j * len(blocks) // n, (j + 1) * len(blocks) // n) for j in range(n)]
+    return sorted((p for p in parts if p[2] > p[1]), key=lambda p: p[1] - p[2])
+
+
+def reads(lists: dict, parts: list, rotated: bool) -> list:
+    """Every query block read, as ``(time, group, query block)``, the parts run on SMS SMs in turn."""
+    free = [(0, sm) for sm in range(SMS)]
+    walking = {}  # sm -> (start, the query blocks of its part in walk order)
+    out = []
+    for pair, lo, hi in parts:
+        t, sm = heapq.heappop(free)
+        blocks = lists[pair]
+        order = list(range(hi - 1, lo - 1, -1))
+        here = sorted(seq[t - t0] for t0, seq in walking.values() if 0 <= t - t0 < len(seq))
+        if rotated and here:
+            stand = here[len(here) // 2]
+            body = [e for e in order if e != 0]
+            first = next((i for i, e in enumerate(body) if blocks[e] <= stand), len(body))
+            order = body[first:] + body[:first] + ([0] if lo == 0 else [])  # the diagonal last
+        seq = [blocks[e] for e in order]
+        walking[sm] = (t, seq)
+        out += [(t + i, pair[0], q) for i, q in enumerate(seq)]
+        heapq.heappush(free, (t + len(seq), sm))
+    return sorted(out)
+
+
+def hit_rate(accesses) -> float:
+    cache, hits, room = OrderedDict(), 0, L2_BYTES // TILE_BYTES
+    for key in accesses:
+        if key in cache:
+            hits += 1
+            cache.move_to_end(key)
+        else:
+            cache[key] = True
+            if len(cache) > room:
+                cache.popitem(last=False)
+    return hits / len(accesses)
+
+
+def main():
+    lists = selection()
+    parts = parts_longest_first(lists)
+    for name, rotated in (("plan", False), ("rotated", True)):
+        print("%-12s %.3f" % (name, hit_rate([(g, q) for _, g, q in reads(lists, parts, rotated)])))
+    in_query_order = sorted(((g, -q) for (g, _), blocks in lists.items() for q in blocks))
+    print("%-12s %.3f" % ("query order", hit_rate(in_query_order)))
+
+
+if __name__ == "__main__":
+    main()
