@@ -143,7 +143,6 @@ __device__ __forceinline__ void dkdv_like_step(float (&dk)[1][D / 8][4], float (
     if constexpr (FOLD) return exp2f(x * c);
     return EXPS ? exp2f(fmaf(x, c, -lse)) : fmaf(x, c, -lse) * 0.5f;
   };
-  const float dl_sub = FOLD ? 0.f : dl;  // folded: dP'^T already holds dP^T - delta
   uint32_t pa[1][QT / 16][4];
   if constexpr (INTERLEAVED) {
 #pragma unroll
@@ -181,8 +180,9 @@ __device__ __forceinline__ void dkdv_like_step(float (&dk)[1][D / 8][4], float (
 #pragma unroll
     for (int h = 0; h < 4; ++h) {  // dS = P (dP - delta), as dkdv_tile forms it at QT = 128
       const int j = 2 * s + h / 2, e0 = 2 * (h % 2);
-      da[0][s][h] = FOLD ? sk::mul2<T>(pa[0][s][h], sk::pack2<T>(dpt[0][j][e0], dpt[0][j][e0 + 1]))
-                         : sk::mul2<T>(pa[0][s][h], sk::pack2<T>(dpt[0][j][e0] - dl_sub, dpt[0][j][e0 + 1] - dl_sub));
+      // Folded, dP'^T already holds dP^T - delta.
+      const float sub = FOLD ? 0.f : dl;
+      da[0][s][h] = sk::mul2<T>(pa[0][s][h], sk::pack2<T>(dpt[0][j][e0] - sub, dpt[0][j][e0 + 1] - sub));
     }
     if constexpr (INTERLEAVED) {
       s90::wgmma_fence();
