@@ -328,10 +328,13 @@ bool stored_ds_supported(int64_t block, int64_t head_dim) {
   return block == kernels::sm90::DS_KEYS && head_dim == 128 && use_sm90((int)block, 128);
 }
 
-// The stored-dS buffer: a slot for every entry the route's shape holds (G * NB * K), since the
-// true count is on the device and the kernels index slots up to it.
+// Where the stored-dS backward runs (stored_ds_supported), and its buffer: a slot for every entry
+// the route's shape holds (G * NB * K), since the true count is on the device and the kernels
+// index slots up to it. Both entries that take `ds` check it here.
 void check_ds(const at::Tensor& ds, const at::Tensor& q, const at::Tensor& k, const at::Tensor& kv_idx,
               int64_t block) {
+  MSB_CHECK(stored_ds_supported(block, q.size(2)),
+            "the stored-dS backward runs on Hopper (sm_90a) at block 128 and head dim 128 only");
   const int64_t slots = kv_idx.size(0) * kv_idx.size(1) * kv_idx.size(2);
   MSB_CHECK(ds.is_cuda() && ds.is_contiguous() && ds.scalar_type() == q.scalar_type() && aligned16(ds) &&
                 ds.numel() == slots * kernels::sm90::ds_slot_values((int)(q.size(1) / k.size(1)), (int)block),
@@ -350,8 +353,6 @@ std::vector<at::Tensor> sparse_attn_bwd_dkdv_cuda(const at::Tensor& dout, const 
                                                   int64_t block, const c10::optional<at::Tensor>& ds) {
   check_inputs(q, k, v, kv_idx, kv_cnt, bstart, bend, block);
   if (ds.has_value()) {
-    MSB_CHECK(stored_ds_supported(block, q.size(2)),
-              "the stored-dS backward runs on Hopper (sm_90a) at block 128 and head dim 128 only");
     check_ds(*ds, q, k, kv_idx, block);
   }
   check_backward_inputs(dout, q, lse);
@@ -423,8 +424,6 @@ at::Tensor sparse_attn_bwd_dq_from_ds_cuda(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& kv_cnt, const at::Tensor& bstart,
                                            const at::Tensor& bend, double scale, int64_t block) {
   check_inputs(q, k, k, kv_idx, kv_cnt, bstart, bend, block);
-  MSB_CHECK(stored_ds_supported(block, q.size(2)),
-            "the stored-dS backward runs on Hopper (sm_90a) at block 128 and head dim 128 only");
   check_ds(ds, q, k, kv_idx, block);
   MSB_CHECK(slots.is_cuda() && slots.scalar_type() == at::kInt && slots.is_contiguous() &&
                 slots.sizes() == kv_idx.sizes(),
