@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Fetch flash-attn-4 and its CuTe DSL for the GPU machine (Python 3.12, x86-64), here, into
-# .whl-fa4/ (git-ignored), split for the device tool's 64 MiB per call:
+# .whl-fa4/ (git-ignored), split for the device tool's 64 MiB per call, which the working tree
+# shares (tracked and untracked-not-ignored files, measured here when this runs):
 #   .whl-fa4/call1/  seven small wheels + the first part of nvidia-cutlass-dsl-libs-cu13 (92 MB)
-#   .whl-fa4/call2/  the second part
-# each with SHA256SUMS of the whole wheels. On the device, tools/fa4_device.sh stages call 1 and
-# joins, checks and installs in call 2 (docs/FA4.md has the two commands).
+#   .whl-fa4/callN/  its next part, as many calls as it takes beside the tree (3 at a tree of 16.7 MB in blocks)
+# each with SHA256SUMS of the whole wheels. On the device, tools/fa4_device.sh stages every call
+# but the last and joins, checks and installs in the last (docs/FA4.md has the commands).
+# Rerun it when the tree has grown: a call that no longer fits is refused before it starts.
 # Usage: bash tools/fa4_wheels.sh   (PYTHON=... to pick the interpreter whose pip downloads)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,8 +24,8 @@ WHEELS=(
 )
 BIG=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
 
-rm -rf "$OUTDIR/all" "$OUTDIR/call1" "$OUTDIR/call2"
-mkdir -p "$OUTDIR/all" "$OUTDIR/call1" "$OUTDIR/call2"
+rm -rf "$OUTDIR/all" "$OUTDIR"/call*
+mkdir -p "$OUTDIR/all"
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d "$OUTDIR/all" "${WHEELS[@]}"
@@ -33,15 +35,26 @@ n=$(ls "$OUTDIR"/all/*.whl | wc -l)
 [ -f "$OUTDIR/all/$BIG" ] || { echo "missing $BIG" >&2; exit 1; }
 (cd "$OUTDIR/all" && sha256sum *.whl > ../SHA256SUMS)
 
-# Cut the big wheel where both calls carry about the same: part 1 rides with the small wheels.
+# What each call may carry beside the tree: 64 MiB less the tree, counted in whole 4 KiB blocks
+# per file as the device tool counts it (a 66.7 MB call of bytes, 67.7 MB of blocks, was refused),
+# less 1 MiB for the tree's growth by a session's edits.
+tree=$(git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2>/dev/null |
+  awk '{s += int(($1 + 4095) / 4096) * 4096} END {print s}')
+room=$(( 64 * 1024 * 1024 - tree - 1024 * 1024 ))
+small=$(ls "$OUTDIR"/all/*.whl | grep -v "$BIG" | xargs stat -c %s | awk '{s += $1} END {print s}')
+[ "$room" -gt "$small" ] || { echo "the tree ($tree bytes) leaves no room for the small wheels" >&2; exit 1; }
+# Part 1 rides with the small wheels; every later part fills a call of its own.
 big=$(stat -c %s "$OUTDIR/all/$BIG")
-small=$(ls "$OUTDIR"/all/*.whl | grep -v "$BIG" | xargs stat -c %s | awk "{s += \$1} END {print s}")
-first=$(( (big - small) / 2 ))
-head -c "$first" "$OUTDIR/all/$BIG" > "$OUTDIR/call1/$BIG.part1"
-tail -c +"$((first + 1))" "$OUTDIR/all/$BIG" > "$OUTDIR/call2/$BIG.part2"
-cmp <(cat "$OUTDIR/call1/$BIG.part1" "$OUTDIR/call2/$BIG.part2") "$OUTDIR/all/$BIG"
+offset=0 call=1 size=$(( room - small ))
+while [ "$offset" -lt "$big" ]; do
+  mkdir -p "$OUTDIR/call$call"
+  dd if="$OUTDIR/all/$BIG" of="$OUTDIR/call$call/$BIG.part$call" bs=1M iflag=skip_bytes,count_bytes \
+    skip="$offset" count="$size" status=none
+  offset=$(( offset + size )) call=$(( call + 1 )) size=$room
+done
+cmp <(cat $(for ((c = 1; c < call; c++)); do echo "$OUTDIR/call$c/$BIG.part$c"; done)) "$OUTDIR/all/$BIG"
 ls "$OUTDIR"/all/*.whl | grep -v "$BIG" | xargs -I{} cp {} "$OUTDIR/call1/"
-cp "$OUTDIR/SHA256SUMS" "$OUTDIR/call1/"
-cp "$OUTDIR/SHA256SUMS" "$OUTDIR/call2/"
+for ((c = 1; c < call; c++)); do cp "$OUTDIR/SHA256SUMS" "$OUTDIR/call$c/"; done
 rm -rf "$OUTDIR/all"
-du -sh "$OUTDIR/call1" "$OUTDIR/call2"
+echo "tree $tree bytes; $((call - 1)) calls:" >&2
+du -sh "$OUTDIR"/call*
