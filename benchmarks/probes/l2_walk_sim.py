@@ -13,7 +13,11 @@ group's 8 heads: 512 KiB each) of 40 MB. Orders:
 * ``rotated``: every part starts where the CTAs running when it starts stand (their median query
   block, known here, which a kernel could only estimate) and wraps around, its diagonal last;
 * ``query order``: every read of the whole backward in descending query block, group by group (what
-  bands tend to).
+  bands tend to);
+* ``window W``: a soft barrier instead of bands: the parts run group by group, each walks its query
+  blocks in one circular sweep from the group's front (the least position any running part of the
+  group reads next, unwrapped), and a read waits while it lies W or more blocks past the front. The
+  makespan (time units until the last read) says what the waits cost against the plan's.
 
     python3 -m benchmarks.probes.l2_walk_sim
 """
@@ -72,6 +76,36 @@ def reads(lists: dict, parts: list, rotated: bool) -> list:
     return sorted(out)
 
 
+def windowed_reads(lists: dict, parts: list, window: int) -> tuple[list, int]:
+    """``window W`` (module docstring): the reads ``(group, query block)`` in time order, and the makespan."""
+    queue = iter(sorted(parts, key=lambda p: (p[0][0], p[1] - p[2])))
+    front = [0] * GROUPS
+    running = {}  # sm -> [group, unwrapped positions of its reads in sweep order, reads done]
+
+    def start(sm):
+        part = next(queue, None)
+        if part is not None:
+            (g, kb), lo, hi = part
+            x0 = front[g]
+            running[sm] = [g, sorted(x0 + (q - x0) % NB for q in lists[(g, kb)][lo:hi]), 0]
+
+    for sm in range(SMS):
+        start(sm)
+    out, t = [], 0
+    while running:
+        for g in range(GROUPS):
+            front[g] = min((pos[i] for gg, pos, i in running.values() if gg == g), default=front[g])
+        for sm, (g, pos, i) in sorted(running.items()):
+            if pos[i] < front[g] + window:
+                out.append((g, pos[i] % NB))
+                running[sm][2] += 1
+                if running[sm][2] == len(pos):
+                    del running[sm]
+                    start(sm)
+        t += 1
+    return out, t
+
+
 def hit_rate(accesses) -> float:
     cache, hits, room = OrderedDict(), 0, L2_BYTES // TILE_BYTES
     for key in accesses:
@@ -88,10 +122,16 @@ def hit_rate(accesses) -> float:
 def main():
     lists = selection()
     parts = parts_longest_first(lists)
+    makespan = 0
     for name, rotated in (("plan", False), ("rotated", True)):
-        print("%-12s %.3f" % (name, hit_rate([(g, q) for _, g, q in reads(lists, parts, rotated)])))
+        walk = reads(lists, parts, rotated)
+        makespan = makespan or walk[-1][0] + 1
+        print("%-12s %.3f" % (name, hit_rate([(g, q) for _, g, q in walk])))
     in_query_order = sorted(((g, -q) for (g, _), blocks in lists.items() for q in blocks))
     print("%-12s %.3f" % ("query order", hit_rate(in_query_order)))
+    for window in (16, 64, 96, 128, 256):
+        walk, t = windowed_reads(lists, parts, window)
+        print("%-12s %.3f, makespan %.2fx the plan's" % ("window %d" % window, hit_rate(walk), t / makespan))
 
 
 if __name__ == "__main__":
