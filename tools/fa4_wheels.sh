@@ -3,7 +3,8 @@
 # .whl-fa4/ (git-ignored), split for the device tool's 64 MiB per call, which the working tree
 # shares (tracked and untracked-not-ignored files, measured here when this runs):
 #   .whl-fa4/call1/  seven small wheels + the first part of nvidia-cutlass-dsl-libs-cu13 (92 MB)
-#   .whl-fa4/callN/  its next part, as many calls as it takes beside the tree (3 at a tree of 16.7 MB in blocks)
+#   .whl-fa4/callN/  its next part, as many calls as it takes beside the tree (three at a tree
+#                    of 16.7 MB counted in 4 KiB blocks)
 # each with SHA256SUMS of the whole wheels. On the device, tools/fa4_device.sh stages every call
 # but the last and joins, checks and installs in the last (docs/FA4.md has the commands).
 # Rerun it when the tree has grown: a call that no longer fits is refused before it starts.
