@@ -36,14 +36,9 @@ n=$(ls "$OUTDIR"/all/*.whl | wc -l)
 [ -f "$OUTDIR/all/$BIG" ] || { echo "missing $BIG" >&2; exit 1; }
 (cd "$OUTDIR/all" && sha256sum *.whl > ../SHA256SUMS)
 
-# What each call may carry beside the tree: 64 MiB less the tree, counted in whole 4 KiB blocks
-# per file as the device tool counts it (a 66.7 MB call of bytes, 67.7 MB of blocks, was refused),
-# less 1 MiB for the tree's growth by a session's edits.
-tree=$(git ls-files -z -co --exclude-standard | xargs -0 stat -c %s 2>/dev/null |
-  awk '{s += int(($1 + 4095) / 4096) * 4096} END {print s}')
-room=$(( 64 * 1024 * 1024 - tree - 1024 * 1024 ))
+room=$(bash tools/device_room.sh)  # what a call may carry beside the working tree
 small=$(ls "$OUTDIR"/all/*.whl | grep -v "$BIG" | xargs stat -c %s | awk '{s += $1} END {print s}')
-[ "$room" -gt "$small" ] || { echo "the tree ($tree bytes) leaves no room for the small wheels" >&2; exit 1; }
+[ "$room" -gt "$small" ] || { echo "the working tree leaves $room bytes a call, too few for the small wheels" >&2; exit 1; }
 # Part 1 rides with the small wheels; every later part fills a call of its own.
 big=$(stat -c %s "$OUTDIR/all/$BIG")
 offset=0 call=1 size=$(( room - small ))
@@ -57,5 +52,5 @@ cmp <(cat $(for ((c = 1; c < call; c++)); do echo "$OUTDIR/call$c/$BIG.part$c"; 
 ls "$OUTDIR"/all/*.whl | grep -v "$BIG" | xargs -I{} cp {} "$OUTDIR/call1/"
 for ((c = 1; c < call; c++)); do cp "$OUTDIR/SHA256SUMS" "$OUTDIR/call$c/"; done
 rm -rf "$OUTDIR/all"
-echo "tree $tree bytes; $((call - 1)) calls:" >&2
+echo "$room bytes a call beside the tree; $((call - 1)) calls:" >&2
 du -sh "$OUTDIR"/call*
