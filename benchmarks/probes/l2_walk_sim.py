@@ -14,6 +14,9 @@ group's 8 heads: 512 KiB each) of 40 MB. Orders:
   block, known here, which a kernel could only estimate) and wraps around, its diagonal last;
 * ``query order``: every read of the whole backward in descending query block, group by group (what
   bands tend to);
+* ``head order``: every part walks its entries a head at a time (all of them for head 0, then
+  for head 1, ...), tiles of one head (64 KiB) cached apart; ``block order`` is the plan's order
+  counted the same way, a block's heads one after the other (in L2s of 40 and 25 MB);
 * ``window W``: a soft barrier instead of bands: the parts run group by group, each walks its query
   blocks in one circular sweep from the group's front (the least position any running part of the
   group reads next, unwrapped), and a read waits while it lies W or more blocks past the front. The
@@ -76,6 +79,23 @@ def reads(lists: dict, parts: list, rotated: bool) -> list:
     return sorted(out)
 
 
+def head_tile_reads(lists: dict, parts: list, head_outer: bool, heads: int = 8) -> list:
+    """``head order`` / ``block order`` (module docstring): every query tile of one head read, as
+    ``(group, query block, head)`` in time order, one time unit a tile."""
+    free = [(0, sm) for sm in range(SMS)]
+    out = []
+    for pair, lo, hi in parts:
+        t, sm = heapq.heappop(free)
+        blocks = [lists[pair][e] for e in range(hi - 1, lo - 1, -1)]
+        if head_outer:
+            tiles = [(q, h) for h in range(heads) for q in blocks]
+        else:
+            tiles = [(q, h) for q in blocks for h in range(heads)]
+        out += [(t + i, pair[0], q, h) for i, (q, h) in enumerate(tiles)]
+        heapq.heappush(free, (t + len(tiles), sm))
+    return [(g, q, h) for _, g, q, h in sorted(out)]
+
+
 def windowed_reads(lists: dict, parts: list, window: int) -> tuple[list, int]:
     """``window W`` (module docstring): the reads ``(group, query block)`` in time order, and the makespan."""
     queue = iter(sorted(parts, key=lambda p: (p[0][0], p[1] - p[2])))
@@ -106,8 +126,9 @@ def windowed_reads(lists: dict, parts: list, window: int) -> tuple[list, int]:
     return out, t
 
 
-def hit_rate(accesses) -> float:
-    cache, hits, room = OrderedDict(), 0, L2_BYTES // TILE_BYTES
+def hit_rate(accesses, room: int = L2_BYTES // TILE_BYTES) -> float:
+    """Hits of ``accesses`` in an LRU cache of ``room`` entries."""
+    cache, hits = OrderedDict(), 0
     for key in accesses:
         if key in cache:
             hits += 1
@@ -129,6 +150,10 @@ def main():
         print("%-12s %.3f" % (name, hit_rate([(g, q) for _, g, q in walk])))
     in_query_order = sorted(((g, -q) for (g, _), blocks in lists.items() for q in blocks))
     print("%-12s %.3f" % ("query order", hit_rate(in_query_order)))
+    for name, head_outer in (("block order", False), ("head order", True)):
+        walk = head_tile_reads(lists, parts, head_outer)
+        print("%-12s %.3f (40 MB), %.3f (25 MB)" % (name, hit_rate(walk, L2_BYTES // (TILE_BYTES // 8)),
+                                                   hit_rate(walk, (25 << 20) // (TILE_BYTES // 8))))
     for window in (16, 64, 96, 128, 256):
         walk, t = windowed_reads(lists, parts, window)
         print("%-12s %.3f, makespan %.2fx the plan's" % ("window %d" % window, hit_rate(walk), t / makespan))
