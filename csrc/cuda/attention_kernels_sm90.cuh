@@ -606,9 +606,16 @@ __global__ void __launch_bounds__(DkdvTiles<T, D>::THREADS, 1)
       wgmma_wait<0>();
       mbar_arrive(empty + buf);
     };
+    // The diagonal block comes last, so the outer loop runs once. It is there for ptxas (nvcc
+    // 13.0): with the two loops at the top level it spilled 32 bytes (68 with stored dS) at head
+    // dim 128, reloaded in every step; with them inside it, none. Same work, bitwise the same
+    // gradients; on one H200 the 3B stored-dS step 1.4-1.8% faster
+    // (benchmarks/results/archive/nested_walk_ab_h200.log).
     int it = 0;
-    for (; !walk.done() && !walk.diag(); ++it) step(it, std::false_type{});
-    for (; !walk.done(); ++it) step(it, std::true_type{});
+    while (!walk.done()) {
+      for (; !walk.done() && !walk.diag(); ++it) step(it, std::false_type{});
+      for (; !walk.done() && walk.diag(); ++it) step(it, std::true_type{});
+    }
     const int2 split = p.dkdv_split[item.x];
     if (split.x >= 0 && !dkdv_combine_parts<D>(dk, dv, split, item.w, item.x * nsub + sub, nsub, sub, p)) return;
     store_dkdv<T, D>(dk, dv, key_tok - n0, nvalid, b0 + n0, g, lane, p);

@@ -1,0 +1,70 @@
+"""Probe: an A/B of kernel variants built into one extension and picked on the host, at each call,
+by an environment variable (a patch under benchmarks/probes/ adds the variable; main reads none).
+One build and one process for all variants, so they see the same machine and, in rotating turns,
+the same clocks, with no FA4 needed as the reference between builds.
+
+For each of issue 44's eight cases: our ``cuda`` step, and at head dim 128 the stored-dS step
+(``cuda_ds``), with the variable at each value, taken in rotating turns (``interleaved_medians``);
+before that, each value's dQ, dK and dV are checked against the first value's (relative L2 below
+1e-2; variants that only reorder fp32 sums differ by rounding).
+
+    python3 -m benchmarks.probes.env_ab_probe VAR VALUE,VALUE[,...] [ROUNDS]
+"""
+import math
+import os
+import sys
+
+import torch
+
+from benchmarks.attention import interleaved_medians, run_case
+from benchmarks.probes.step_probe import routed_cases
+
+
+def gradients(q, k, v, go, route, impl):
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    forward, _ = run_case(impl, *inputs, go, route, q.shape[0], q.shape[1], None, None)
+    return torch.autograd.grad(forward(), inputs, go)
+
+
+def with_env(var: str, value: str, fn):
+    def run():
+        os.environ[var] = value
+        return fn()
+    return run
+
+
+def main():
+    if len(sys.argv) < 3:
+        raise SystemExit(__doc__)
+    var, values = sys.argv[1], sys.argv[2].split(",")
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    for shape, S, density, q, k, v, route, _ in routed_cases():
+        go = torch.randn_like(q)
+        impls = ("cuda", "cuda_ds") if q.shape[-1] == 128 else ("cuda",)
+        steps, worst = {}, 0.0
+        for impl in impls:
+            ref = None
+            for value in values:
+                os.environ[var] = value
+                got = gradients(q, k, v, go, route, impl)
+                if ref is None:
+                    ref = got
+                for a, b in zip(got, ref):
+                    err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+                    worst = max(worst, err)
+                    if not (math.isfinite(err) and err < 1e-2):
+                        raise SystemExit(f"{shape} {S} {density} {impl} {var}={value}: rel. L2 {err:.2e} "
+                                         f"against {var}={values[0]}")
+                inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+                steps[f"{impl}/{value}"] = with_env(var, value, run_case(impl, *inputs, go, route, S, q.shape[1],
+                                                                         None, None)[1])
+        med = interleaved_medians(steps, rounds, 10, 3)
+        cells = [f"{key} {ms:.3f} ({med[key.split('/')[0] + '/' + values[0]] / ms:.3f})" for key, ms in med.items()]
+        print(f"{shape} {S // 1024}K {density:.2f} | worst rel. L2 vs {values[0]} {worst:.1e} | " + " | ".join(cells),
+              flush=True)
+        del steps
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
