@@ -18,8 +18,9 @@ CACHE=${CACHE:-/tmp/msb_nvcc_headers}
 if [ ! -f "$CACHE/ok" ]; then
   rm -rf "$CACHE" && mkdir -p "$CACHE/whl" "$CACHE/include/c10/cuda/impl"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux1_x86_64 -d "$CACHE/whl" nvidia-cusparse nvidia-cublas nvidia-cusolver 2>/dev/null
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+    -d "$CACHE/whl" nvidia-cusparse nvidia-cublas nvidia-cusolver 2>/dev/null
   for w in "$CACHE"/whl/*.whl; do unzip -q -o "$w" '*/include/*' -d "$CACHE/x"; done
   cp -r "$CACHE"/x/nvidia/*/include/. "$CACHE/include/"
   rm -rf "$CACHE/whl" "$CACHE/x"
@@ -33,13 +34,15 @@ from torch.utils.cpp_extension import include_paths
 print(' '.join('-I' + p for p in include_paths() + [sysconfig.get_paths()['include']]))")
 log=$(mktemp)
 # The flags of setup.py's sm_90a build.
-nvcc -O3 -std=c++17 --use_fast_math -lineinfo --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
-  -DSPARSEBALANCE_HAS_SM90A -DWITH_CUDA -DTORCH_EXTENSION_NAME=_C -D_GLIBCXX_USE_CXX11_ABI=1 \
-  -I"$TREE/csrc" $includes -I"$CACHE/include" -Xptxas -v -c "$TREE/csrc/cuda/attention.cu" -o /dev/null 2> "$log" ||
-  { cat "$log" >&2; exit 1; }
+nvcc -O3 -std=c++17 --use_fast_math -lineinfo --expt-relaxed-constexpr \
+  -gencode=arch=compute_90a,code=sm_90a -DSPARSEBALANCE_HAS_SM90A -DWITH_CUDA \
+  -DTORCH_EXTENSION_NAME=_C -D_GLIBCXX_USE_CXX11_ABI=1 -I"$TREE/csrc" $includes -I"$CACHE/include" \
+  -Xptxas -v -c "$TREE/csrc/cuda/attention.cu" -o /dev/null 2> "$log" || { cat "$log" >&2; exit 1; }
 # One line per kernel: registers, spill stores and loads, the demangled name.
-awk '/Compiling entry function/ {match($0, /'"'"'[^'"'"']+'"'"'/); name = substr($0, RSTART + 1, RLENGTH - 2)}
+awk '/Compiling entry function/ {
+       match($0, /'"'"'[^'"'"']+'"'"'/); name = substr($0, RSTART + 1, RLENGTH - 2)}
      /bytes spill stores/ {st = $5; ld = $9}
-     /Used [0-9]+ registers/ && name != "" {printf "%4d regs %5d B spilled %5d B reloaded  %s\n", $5, st, ld, name; name = ""}' "$log" |
+     /Used [0-9]+ registers/ && name != "" {
+       printf "%4d regs %5d B spilled %5d B reloaded  %s\n", $5, st, ld, name; name = ""}' "$log" |
   c++filt | grep "sm90::" | sort -k9
 rm -f "$log"
