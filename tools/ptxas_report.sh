@@ -33,7 +33,8 @@ import sysconfig
 from torch.utils.cpp_extension import include_paths
 print(' '.join('-I' + p for p in include_paths() + [sysconfig.get_paths()['include']]))")
 log=$(mktemp)
-# The flags of setup.py's sm_90a build.
+# The flags of setup.py's sm_90a build, written out again: setup.py builds its CUDA extension only
+# where torch has CUDA, which this machine's torch does not, so its build cannot run here.
 nvcc -O3 -std=c++17 --use_fast_math -lineinfo --expt-relaxed-constexpr \
   -gencode=arch=compute_90a,code=sm_90a -DSPARSEBALANCE_HAS_SM90A -DWITH_CUDA \
   -DTORCH_EXTENSION_NAME=_C -D_GLIBCXX_USE_CXX11_ABI=1 -I"$TREE/csrc" $includes -I"$CACHE/include" \

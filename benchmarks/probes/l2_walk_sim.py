@@ -57,43 +57,49 @@ def parts_longest_first(lists: dict) -> list:
     return sorted((p for p in parts if p[2] > p[1]), key=lambda p: p[1] - p[2])
 
 
+def run_on_sms(parts: list, walk) -> list:
+    """The parts run on SMS SMs in turn, each on the first SM free, one time unit a read.
+    ``walk(part, t, running)`` gives a part's reads in order when it starts at time t, where
+    ``running`` holds ``(start, reads)`` of the parts still running then. Every read as
+    ``(time, read)``, in time order."""
+    free = [(0, sm) for sm in range(SMS)]
+    walking = {}  # sm -> (start, its part's reads)
+    out = []
+    for part in parts:
+        t, sm = heapq.heappop(free)
+        seq = walk(part, t, [(t0, s) for t0, s in walking.values() if 0 <= t - t0 < len(s)])
+        walking[sm] = (t, seq)
+        out += [(t + i, read) for i, read in enumerate(seq)]
+        heapq.heappush(free, (t + len(seq), sm))
+    return sorted(out)
+
+
 def reads(lists: dict, parts: list, rotated: bool) -> list:
     """Every query block read, as ``(time, group, query block)``, the parts run on SMS SMs in turn."""
-    free = [(0, sm) for sm in range(SMS)]
-    walking = {}  # sm -> (start, the query blocks of its part in walk order)
-    out = []
-    for pair, lo, hi in parts:
-        t, sm = heapq.heappop(free)
+    def walk(part, t, running):
+        pair, lo, hi = part
         blocks = lists[pair]
         order = list(range(hi - 1, lo - 1, -1))
-        here = sorted(seq[t - t0] for t0, seq in walking.values() if 0 <= t - t0 < len(seq))
+        here = sorted(seq[t - t0][1] for t0, seq in running)
         if rotated and here:
             stand = here[len(here) // 2]
             body = [e for e in order if e != 0]
             first = next((i for i, e in enumerate(body) if blocks[e] <= stand), len(body))
             order = body[first:] + body[:first] + ([0] if lo == 0 else [])  # the diagonal last
-        seq = [blocks[e] for e in order]
-        walking[sm] = (t, seq)
-        out += [(t + i, pair[0], q) for i, q in enumerate(seq)]
-        heapq.heappush(free, (t + len(seq), sm))
-    return sorted(out)
+        return [(pair[0], blocks[e]) for e in order]
+    return [(t, g, q) for t, (g, q) in run_on_sms(parts, walk)]
 
 
 def head_tile_reads(lists: dict, parts: list, head_outer: bool, heads: int = 8) -> list:
     """``head order`` / ``block order`` (module docstring): every query tile of one head read, as
     ``(group, query block, head)`` in time order, one time unit a tile."""
-    free = [(0, sm) for sm in range(SMS)]
-    out = []
-    for pair, lo, hi in parts:
-        t, sm = heapq.heappop(free)
+    def walk(part, t, running):
+        pair, lo, hi = part
         blocks = [lists[pair][e] for e in range(hi - 1, lo - 1, -1)]
         if head_outer:
-            tiles = [(q, h) for h in range(heads) for q in blocks]
-        else:
-            tiles = [(q, h) for q in blocks for h in range(heads)]
-        out += [(t + i, pair[0], q, h) for i, (q, h) in enumerate(tiles)]
-        heapq.heappush(free, (t + len(tiles), sm))
-    return [(g, q, h) for _, g, q, h in sorted(out)]
+            return [(pair[0], q, h) for h in range(heads) for q in blocks]
+        return [(pair[0], q, h) for q in blocks for h in range(heads)]
+    return [read for _, read in run_on_sms(parts, walk)]
 
 
 def windowed_reads(lists: dict, parts: list, window: int) -> tuple[list, int]:
