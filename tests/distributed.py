@@ -6,21 +6,53 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
+import shutil
+import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
+import torch
 import torch.multiprocessing as mp
 
 from megatron_sparsebalance.training.ports import free_port
 
 
-def _worker(rank, world, port, tp, pp, fn, args, errors):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    import torch
+# Ranks are forked from a server that imported torch, megatron-core, the package and the test
+# bodies once per pytest process (Python's forkserver): a spawned rank spent 5-9 s of a 2-core
+# machine importing them (docs/DESIGN_DECISIONS.md). The server runs no test body and has one
+# thread when it forks; what a spawned rank took from this process at its start (environment,
+# working directory, stdout and stderr) a forked one takes over in _worker. Where CUDA is
+# available the ranks are spawned: a child of a server whose imports touched the driver could not
+# use CUDA.
+_SERVER_PRELOAD = ["torch", "megatron.core", "megatron_sparsebalance.pretrain",
+                   "megatron_sparsebalance.training.trainer", "tests.pipeline_cases", "tests.balance_cases",
+                   "tests.convert_cases", "tests.evaluate_cases", "tests.sparseloco_cases", "tests.tp_cases",
+                   "tests.pretrain_cases", "tests.megatron_flags_cases"]
 
+
+def _context():
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_SERVER_PRELOAD)  # read when the server starts, the first launch
+    return ctx
+
+
+def _rank_output(log_dir: str, rank: int, stream: str) -> str:
+    return os.path.join(log_dir, f"rank{rank}.{stream}")
+
+
+def _worker(rank, world, port, tp, pp, fn, args, errors, env, cwd, log_dir):
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.chdir(cwd)
+    for fd, stream in ((1, "out"), (2, "err")):  # replayed into this test's output by run_workers
+        out = os.open(_rank_output(log_dir, rank, stream), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
     torch.set_num_threads(1)
     from megatron_sparsebalance.training.cpu_compat import enable_cpu_megatron
     from megatron_sparsebalance.training.dist import destroy_distributed, init_distributed
@@ -33,23 +65,45 @@ def _worker(rank, world, port, tp, pp, fn, args, errors):
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _replay_output(log_dir: str, world: int) -> None:
+    """Each rank's stdout and stderr onto this process's, rank by rank: where a test captures the
+    process's output (pytest's capfd), the ranks' is in it, as a spawned rank's was."""
+    for fd, stream in ((1, "out"), (2, "err")):
+        for rank in range(world):
+            path = _rank_output(log_dir, rank, stream)
+            data = open(path, "rb").read() if os.path.exists(path) else b""
+            while data:
+                data = data[os.write(fd, data):]
 
 
 def run_workers(fn, world: int, pp: int = 1, tp: int = 1, args=(), timeout_s: float = 180.0) -> None:
     """Run ``fn(*args)`` on ``world`` ranks (TP x PP x DP) and fail on any error or on a hang."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, tp, pp, fn, args, errors)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [i for i, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    log_dir = tempfile.mkdtemp(prefix="ranks-")
+    env, cwd = dict(os.environ), os.getcwd()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, tp, pp, fn, args, errors, env, cwd, log_dir))
+             for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    finally:
+        _replay_output(log_dir, world)
+        shutil.rmtree(log_dir, ignore_errors=True)
     messages = []
     while not errors.empty():
         messages.append(errors.get())
@@ -63,9 +117,9 @@ def run_workers(fn, world: int, pp: int = 1, tp: int = 1, args=(), timeout_s: fl
 
 
 # --- several test bodies in one launch --------------------------------------------------------
-# Starting gloo processes costs ~5 s per rank on a 2-core CI machine (torch and megatron-core
-# imports), more than most test bodies: tests of one layout share a launch (a module-scoped
-# fixture) and each test then checks that its own body passed on every rank.
+# A launch still costs each rank its process group and megatron's parallel state, and the bodies
+# of one layout often need the same trained start: tests of one layout share a launch (a
+# module-scoped fixture) and each test then checks that its own body passed on every rank.
 
 
 def _cases_in_order(cases, done_dir):
