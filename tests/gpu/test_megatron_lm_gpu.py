@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_sparsebalance.compat import HAVE_MEGATRON_TRAINING, MEGATRON_CORE
+from megatron_sparsebalance.training.ports import free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,14 +17,21 @@ pytestmark = [
 ]
 
 
+def _entry(nproc: int, *argv: str) -> list:
+    """The command that starts our Megatron-LM entry on ``nproc`` local ranks. ``--standalone``: the
+    rendezvous takes a port the kernel hands it, so that launches running at once on one machine
+    (tools/test_gpu_parallel.sh's groups, a second pytest) do not meet on torchrun's default 29500."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m",
+            "megatron_sparsebalance.megatron_lm", *argv]
+
+
 def test_megatron_lm_loop_trains_with_our_schedule_and_logs_our_figures(tmp_path):
     from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
 
     argv = SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "6", "--lr-decay-iters", "6",
                                                     "--save", str(tmp_path), "--save-interval", "6",
                                                     "--timing-log-level", "2"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_sparsebalance.megatron_lm",
-           *argv]
+    cmd = _entry(1, *argv)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     lines = [ln for ln in out.stdout.splitlines() if " iteration " in ln and "lm loss:" in ln]
@@ -46,8 +54,7 @@ def test_megatron_lm_straggler_detector_times_our_forward_and_data():
     from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
 
     argv = SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "3", "--lr-decay-iters", "3", "--log-straggler"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_sparsebalance.megatron_lm",
-           *argv]
+    cmd = _entry(1, *argv)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-6000:]
@@ -66,8 +73,7 @@ def test_megatron_lm_memory_snapshot_holds_the_allocators_history(tmp_path):
     path = tmp_path / "snapshot.pickle"
     argv = SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "2", "--lr-decay-iters", "2",
                                                     "--record-memory-history", "--memory-snapshot-path", str(path)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_sparsebalance.megatron_lm",
-           *argv]
+    cmd = _entry(1, *argv)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     with open(path, "rb") as f:
@@ -80,8 +86,7 @@ def test_megatron_lm_entry_refuses_the_interleaved_schedule():
 
     argv = SHAPE + TRAINING + OURS + MEGATRON_LM + ["--train-iters", "2", "--pipeline-model-parallel-size", "1",
                                                     "--num-layers-per-virtual-pipeline-stage", "1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_sparsebalance.megatron_lm",
-           *argv]
+    cmd = _entry(1, *argv)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "interleaved" in out.stdout + out.stderr
@@ -141,8 +146,7 @@ def test_megatron_lm_loop_on_token_files_masks_its_tokenizers_eod_and_evaluates_
              "parse_megatron_args(sys.argv[1:]); print('EOD', end_of_document(checked_config(get_args())))")
     out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and f"EOD {cases.VOCAB - 1}" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "megatron_sparsebalance.megatron_lm",
-           *argv]
+    cmd = _entry(1, *argv)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert len([ln for ln in out.stdout.splitlines() if " iteration " in ln and "lm loss:" in ln]) == 2
@@ -210,7 +214,7 @@ def test_megatron_lm_flops_count_reads_the_documents_of_each_pack():
     sample was priced as --seq-length tokens of one causal sequence. Evaluation is not counted."""
     from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
 
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29532", "RANK": "0", "WORLD_SIZE": "1",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0"}
     out = subprocess.run([sys.executable, "-c", FLOPS_PROBE, *SHAPE, *TRAINING, *OURS, *MEGATRON_LM,
                           "--train-iters", "2"], capture_output=True, text=True, timeout=300, env=env)
@@ -249,7 +253,7 @@ def test_megatron_lm_rope_and_norm_flags_reach_the_model():
     argv = SHAPE + TRAINING + OURS + MEGATRON_LM + [
         "--train-iters", "2", "--rotary-seq-len-interpolation-factor", "4", "--use-rope-scaling",
         "--rope-scaling-factor", "16", "--qk-l2-norm", "--apply-layernorm-1p"]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531", "RANK": "0", "WORLD_SIZE": "1",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0"}
     out = subprocess.run([sys.executable, "-c", MODEL_PROBE, *argv], capture_output=True, text=True, timeout=300,
                          env=env)
@@ -274,8 +278,7 @@ def test_megatron_lm_loop_with_qk_layernorm_at_tp2_with_sequence_parallel_equals
              "--moba-topk 8 --qk-layernorm --use-cpu-initialization --train-iters 4 --lr-decay-iters 4").split()
     losses = {}
     for tp, extra in ((1, []), (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp), "-m",
-               "megatron_sparsebalance.megatron_lm", *SHAPE, *TRAINING, *MEGATRON_LM, *fixed, *extra]
+        cmd = _entry(tp, *SHAPE, *TRAINING, *MEGATRON_LM, *fixed, *extra)
         # Megatron-LM asserts it under tensor parallelism; its launch scripts export it.
         env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -299,8 +302,7 @@ def test_megatron_lm_reruns_replay_the_global_batch_and_the_balancer_learns_once
         argv = SHAPE + TRAINING + OURS + MEGATRON_LM + [
             "--train-iters", "4", "--lr-decay-iters", "4", "--save", str(save), "--save-interval", "100",
             "--check-for-spiky-loss", "--no-check-for-nan-in-loss-and-grad", *inject]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m",
-               "megatron_sparsebalance.megatron_lm", *argv]
+        cmd = _entry(1, *argv)
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         logs[name] = out.stdout + out.stderr
         assert out.returncode == 0, logs[name][-6000:]
@@ -329,8 +331,7 @@ def test_megatron_lm_resumes_the_distributed_optimizer_bit_for_bit(tmp_path, ckp
         "--train-iters", "4", "--lr-decay-iters", "4", "--save-interval", "100"]
 
     def run(save, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(dp), "-m",
-               "megatron_sparsebalance.megatron_lm", *common, "--save", str(save), *extra]
+        cmd = _entry(dp, *common, "--save", str(save), *extra)
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
         return out.stdout
@@ -359,8 +360,7 @@ def test_megatron_lm_resumes_from_a_non_persistent_checkpoint_bit_for_bit(tmp_pa
                                                      "--save-interval", "100"]
 
     def run(save, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m",
-               "megatron_sparsebalance.megatron_lm", *common, "--save", str(save), *extra]
+        cmd = _entry(1, *common, "--save", str(save), *extra)
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
         return out.stdout
@@ -394,9 +394,8 @@ def test_megatron_lm_loop_trains_under_torch_fsdp2_and_megatron_fsdp_as_under_dd
     losses = {}
     for name, extra in (("ddp", []), ("torch_fsdp2", ["--use-torch-fsdp2"]),
                         ("megatron_fsdp", ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"])):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m",
-               "megatron_sparsebalance.megatron_lm", *SHAPE, *TRAINING, *OURS, *MEGATRON_LM,
-               "--train-iters", "3", "--lr-decay-iters", "3", *extra]
+        cmd = _entry(1, *SHAPE, *TRAINING, *OURS, *MEGATRON_LM,
+                     "--train-iters", "3", "--lr-decay-iters", "3", *extra)
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
         losses[name] = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", out.stdout)]
