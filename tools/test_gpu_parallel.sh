@@ -33,9 +33,15 @@ run() {  # name, GPUs, pytest arguments...
   echo $? > "$LOGS/$name.rc"
 }
 GROUPS_RUN=""
-deal() {  # name, ids file, GPUs of each part...: the ids dealt in turn to the parts, each run on its GPUs at once
-  local name=$1 ids_file=$2; shift 2
-  local parts=$# part=0 gpus ids
+collect() {  # the ids of the tests marked gpu in the given files, one a line
+  $PY -m pytest -q -p no:cacheprovider -m gpu --collect-only "$@" 2>/dev/null | grep '::'
+}
+deal() {  # name, files, GPUs of each part...: the files' test ids dealt in turn to the parts, run at once
+  local name=$1 files=$2; shift 2
+  local ids_file="$LOGS/$name-ids.txt" parts=$# part=0 gpus ids
+  # shellcheck disable=SC2086
+  collect $files > "$ids_file"
+  [ -s "$ids_file" ] || { echo "no tests collected from $files" >&2; exit 1; }
   for gpus in "$@"; do
     mapfile -t ids < <(awk -v part=$part -v parts=$parts 'NR % parts == part' "$ids_file")
     if [ ${#ids[@]} -gt 0 ]; then
@@ -45,19 +51,11 @@ deal() {  # name, ids file, GPUs of each part...: the ids dealt in turn to the p
     part=$((part + 1))
   done
 }
-collect() {  # the ids of the tests marked gpu in the given files, one a line
-  $PY -m pytest -q -p no:cacheprovider -m gpu --collect-only "$@" 2>/dev/null | grep '::'
-}
 # ... dealt to GPUs 0-1 and 2-3 ...
-# shellcheck disable=SC2086
-collect $MULTI > "$LOGS/multiprocess_ids.txt"
-[ -s "$LOGS/multiprocess_ids.txt" ] || { echo "no multi-process tests collected from $MULTI" >&2; exit 1; }
-deal multiprocess "$LOGS/multiprocess_ids.txt" 0,1 2,3
+deal multiprocess "$MULTI" 0,1 2,3
 wait
 # ... then the kernel grid's test ids dealt to GPUs 1-3, and everything else (FA4's file included) on 0.
-collect $KERNELS > "$LOGS/kernel_ids.txt"
-[ -s "$LOGS/kernel_ids.txt" ] || { echo "no kernel tests collected from $KERNELS" >&2; exit 1; }
-deal kernels "$LOGS/kernel_ids.txt" 1 2 3
+deal kernels "$KERNELS" 1 2 3
 # shellcheck disable=SC2086
 run rest 0 tests $IGNORE &
 GROUPS_RUN="$GROUPS_RUN rest"

@@ -25,6 +25,13 @@ def _entry(nproc: int, *argv: str) -> list:
             "megatron_sparsebalance.megatron_lm", *argv]
 
 
+def _one_rank_env() -> dict:
+    """This process's environment for a probe that starts a process group of one rank itself, on a
+    port of its own."""
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0"}
+
+
 def test_megatron_lm_loop_trains_with_our_schedule_and_logs_our_figures(tmp_path):
     from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
 
@@ -214,8 +221,7 @@ def test_megatron_lm_flops_count_reads_the_documents_of_each_pack():
     sample was priced as --seq-length tokens of one causal sequence. Evaluation is not counted."""
     from benchmarks.megatron_lm_plugin import MEGATRON_LM, OURS, SHAPE, TRAINING
 
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0"}
+    env = _one_rank_env()
     out = subprocess.run([sys.executable, "-c", FLOPS_PROBE, *SHAPE, *TRAINING, *OURS, *MEGATRON_LM,
                           "--train-iters", "2"], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -253,8 +259,7 @@ def test_megatron_lm_rope_and_norm_flags_reach_the_model():
     argv = SHAPE + TRAINING + OURS + MEGATRON_LM + [
         "--train-iters", "2", "--rotary-seq-len-interpolation-factor", "4", "--use-rope-scaling",
         "--rope-scaling-factor", "16", "--qk-l2-norm", "--apply-layernorm-1p"]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0"}
+    env = _one_rank_env()
     out = subprocess.run([sys.executable, "-c", MODEL_PROBE, *argv], capture_output=True, text=True, timeout=300,
                          env=env)
     assert out.returncode == 0 and "ROPE 4 True" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
