@@ -42,8 +42,16 @@ MEGATRON_LM = LAUNCH_SCRIPT + "--accumulate-allreduce-grads-in-fp32 --eval-iters
 STANDALONE = LAUNCH_SCRIPT
 
 
+def torchrun_command(nproc: int, module: str, argv: list) -> list:
+    """The command that starts ``module`` on ``nproc`` local ranks. ``--standalone``: the rendezvous
+    takes a port the kernel hands it, so that launches running at once on one machine (a second
+    benchmark, tools/test_gpu_parallel.sh's groups) do not meet on torchrun's default 29500."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", module,
+            *argv]
+
+
 def torchrun(nproc: int, module: str, argv: list, log_path: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", module, *argv]
+    cmd = torchrun_command(nproc, module, argv)
     with open(log_path, "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:

@@ -75,8 +75,8 @@ def _replay_output(log_dir: str, world: int) -> None:
     process's output (pytest's capfd), the ranks' is in it, as a spawned rank's was."""
     for fd, stream in ((1, "out"), (2, "err")):
         for rank in range(world):
-            path = _rank_output(log_dir, rank, stream)
-            data = open(path, "rb").read() if os.path.exists(path) else b""
+            path = Path(_rank_output(log_dir, rank, stream))
+            data = path.read_bytes() if path.exists() else b""
             while data:
                 data = data[os.write(fd, data):]
 

@@ -8,9 +8,9 @@
 # Megatron-LM files more than 18 min (the resumes, FSDP and rerun tests 1.6-2.8 min each), the
 # other three 3.5 min; the rest 1.2 min on one GPU. Dealt to two pairs, the first phase should
 # take about half of their sum (not yet timed in this form). The kernel grid's thirds took
-# 58-81 s with cold Triton caches (4xH200, 28 Nov). Every test's time goes to the logs (--durations). Needs 4
-# GPUs; build the extension first, in a call of its own (make test-gpu builds it, or MSB_CUDA=1
-# python3 setup.py build_ext --inplace).
+# 58-81 s with cold Triton caches (4xH200, 28 Nov). Every test's time goes to the logs
+# (--durations). Needs 4 GPUs; build the extension first, in a call of its own (make test-gpu
+# builds it, or MSB_CUDA=1 python3 setup.py build_ext --inplace).
 #   bash tools/test_gpu_parallel.sh [LOG_DIR]      # exit status: 0 when every group passed
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -18,11 +18,11 @@ pytestmark = [
 
 
 def _entry(nproc: int, *argv: str) -> list:
-    """The command that starts our Megatron-LM entry on ``nproc`` local ranks. ``--standalone``: the
-    rendezvous takes a port the kernel hands it, so that launches running at once on one machine
-    (tools/test_gpu_parallel.sh's groups, a second pytest) do not meet on torchrun's default 29500."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m",
-            "megatron_sparsebalance.megatron_lm", *argv]
+    """The command that starts our Megatron-LM entry on ``nproc`` local ranks, on a rendezvous port of
+    its own (torchrun_command)."""
+    from benchmarks.megatron_lm_plugin import torchrun_command
+
+    return torchrun_command(nproc, "megatron_sparsebalance.megatron_lm", list(argv))
 
 
 def _one_rank_env() -> dict:
