@@ -21,23 +21,16 @@
 // reports cycles per step (clock64, so the power cap's clock does not enter).
 // Build and run on the GPU machine: nvcc -O3 -arch=sm_90a -o /tmp/fixed_point_convert
 // benchmarks/probes/fixed_point_convert.cu && /tmp/fixed_point_convert. Prints one JSON object per line.
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <vector>
 #include <cuda_runtime.h>
 
 #include "cuda_check.h"
+#include "step_cycles.cuh"
 #include "fixed_point.cuh"
 
 constexpr int THREADS = 256, VALUES = 64, SUMS = 4;
 enum class Convert { none, cvt, split };
-
-__device__ __forceinline__ float ex2(float x) {
-  float r;
-  asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
 
 // Values of every magnitude from 2^-31 to 2^30 and the ties half-way between integers, each
 // converted both ways; counts the values where the two differ.
@@ -76,7 +69,7 @@ __global__ void __launch_bounds__(THREADS, 1) step_kernel(int steps, float a, fl
   for (int k = 0; k < steps; ++k) {
 #pragma unroll
     for (int i = 0; i < VALUES; ++i) {
-      if constexpr (EXPS) s[i] = fmaf(ex2(s[i]), a, b);  // stays near -2
+      if constexpr (EXPS) s[i] = fmaf(ex2_approx(s[i]), a, b);  // stays near -2
       if constexpr (C != Convert::none) {
         x[i] = fmaf(x[i], 1.f, a);  // fed back (a is below x's ulp: x stays, but no compiler can know)
         sum[i % SUMS] += C == Convert::cvt ? fixed_cvt(x[i]) : fixed_split(x[i]);
@@ -98,27 +91,18 @@ template <Convert C, bool EXPS>
 int time_steps(const cudaDeviceProp& prop, const char* convert) {
   const int sms = prop.multiProcessorCount, steps = 4096;
   int* out;
-  long long* cycles;
   CHECK(cudaMalloc(&out, sizeof(int) * sms * THREADS));
-  CHECK(cudaMalloc(&cycles, sizeof(long long) * sms));
-  std::vector<double> per_step;
-  for (int rep = 0; rep < 6; ++rep) {  // the first is warm-up
+  double per_step;
+  const auto launch = [&](long long* cycles) {
     step_kernel<C, EXPS><<<sms, THREADS>>>(steps, 1e-3f, -2.f, out, cycles);
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
-    std::vector<long long> c(sms);
-    CHECK(cudaMemcpy(c.data(), cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
-    std::sort(c.begin(), c.end());
-    if (rep > 0) per_step.push_back((double)c[sms / 2] / steps);
-  }
-  std::sort(per_step.begin(), per_step.end());
+  };
+  if (median_cycles_per_step(sms, steps, launch, &per_step)) return 1;
   // per scheduler: two warps of VALUES exponentials at 8 cycles each is the XU's floor
   printf("{\"gpu\": \"%s\", \"exps\": %d, \"convert\": \"%s\", \"values_per_thread\": %d, \"threads_per_sm\": %d, "
          "\"cycles_per_step\": %.1f, \"xu_floor_exps\": %d}\n",
-         prop.name, EXPS ? VALUES : 0, convert, C == Convert::none ? 0 : VALUES, THREADS,
-         per_step[per_step.size() / 2], EXPS ? 2 * VALUES * 8 : 0);
+         prop.name, EXPS ? VALUES : 0, convert, C == Convert::none ? 0 : VALUES, THREADS, per_step,
+         EXPS ? 2 * VALUES * 8 : 0);
   CHECK(cudaFree(out));
-  CHECK(cudaFree(cycles));
   return 0;
 }
 

@@ -3,13 +3,14 @@
 runs of two builds on one machine (FA4's row is the clock reference between them).
 
     python3 -m benchmarks.probes.step_probe [ROUNDS]
-    python3 -m benchmarks.probes.step_probe --once SHAPE S DENSITY
+    python3 -m benchmarks.probes.step_probe --once SHAPE S DENSITY [ds]
     python3 -m benchmarks.probes.step_probe --profile [ROUNDS]
     python3 -m benchmarks.probes.step_probe --clocks
     python3 -m benchmarks.probes.step_probe --energy
 
 ``--once``: one forward and three two-pass backwards of one case and nothing else, for a profiler
-(``benchmarks/probes/ncu_source.sh`` profiles a kernel's third launch). ``--profile``: per case,
+(``benchmarks/probes/ncu_source.sh`` profiles a kernel's third launch); with ``ds``, three
+stored-dS backwards instead. ``--profile``: per case,
 our ``cuda`` forward+backward step as the benchmark times it (``run_case``) and FA4's where it
 imports, their event-timed medians, then torch.profiler's view of both taking turns
 (:func:`print_profile`): each kernel's device time, and what of a step lies outside its kernels.
@@ -256,21 +257,22 @@ def energy(seconds: float = 2.5):
         sampler.stop()
 
 
-def once(shape: str, S: int, density: float):
+def once(shape: str, S: int, density: float, stored_ds: bool = False):
     """The ``--once`` run: one case by :func:`benchmarks.attention.routed_case` from a generator seeded
-    0, a forward, three backwards."""
+    0, a forward, three backwards (two-pass, or with dS stored)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, _, args = routed_case(S, *SHAPES[shape], density, gen)
     out, lse = ca._forward(q, k, v, *args)
     go = torch.randn_like(q)
+    backward = ca._backward_stored_ds if stored_ds else ca._backward
     for _ in range(3):
-        ca._backward(go, q, k, v, out, lse, *args)
+        backward(go, q, k, v, out, lse, *args)
     torch.cuda.synchronize()
 
 
 def main():
     if sys.argv[1:2] == ["--once"]:
-        once(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        once(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5:6] == ["ds"])
         return
     if sys.argv[1:2] == ["--clocks"]:
         clocks()
