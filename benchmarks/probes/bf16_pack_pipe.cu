@@ -1,16 +1,16 @@
 // Does packing fp32 pairs to bf16x2 take the exponentials' pipe? (issue 44, docs/FA4.md)
 //
-// At head dim 64 a consumer thread of our dK/dV step takes 64 exponentials a step and packs 64
-// values to bf16 (P for dV's product, dP - delta for dS), each pair by one cvt.rn.bf16x2.f32
-// (F2FP.BF16.F32.PACK_AB). If that instruction issues to the quarter-rate pipe (XU) that runs
+// At head dim 64 a consumer thread of our dK/dV step takes 64 exponentials a step and packs its 64
+// values of P (for dV's product) and its 64 of dP - delta (for dS) to bf16, 64 pairs, each by one
+// cvt.rn.bf16x2.f32 (F2FP.BF16.F32.PACK_AB). If that instruction issues to the quarter-rate pipe (XU) that runs
 // MUFU.EX2, the pipe carries the exponentials' load twice over, which would be what holds the
 // 0.5B backward at 69-72% of the tensor pipe. The same rounding can be done on the integer pipe:
 // adding 0x8000 to a float's bits rounds its magnitude to the nearest bf16 (ties away from zero,
 // where cvt.rn rounds ties to even), and one byte permute (PRMT) takes the two upper halves: three
 // ALU instructions a pair.
 //
-// This probe checks that packing against cvt.rn.bf16x2.f32 over every finite fp32 bit pattern (the
-// two differ only at ties, counted), then times a consumer step's arithmetic alone, as
+// This probe checks that packing against cvt.rn.bf16x2.f32 over every non-NaN fp32 bit pattern
+// (the two differ only at ties, counted), then times a consumer step's arithmetic alone, as
 // fixed_point_convert.cu does: one CTA of 256 threads per SM (two warpgroups), each thread taking
 // 64 exponentials (or none) and issuing 0, 32 or 64 packs of two values per step, by cvt or on the
 // integer pipe; cycles per step by clock64, so the power cap's clock does not enter.
