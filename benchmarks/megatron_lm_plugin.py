@@ -22,6 +22,8 @@ import tempfile
 
 import torch
 
+from megatron_sparsebalance.training.launch import torchrun_command
+
 # One tiny Llama/Qwen-shaped model, the same for both entries (Megatron-LM's names).
 SHAPE = ("--num-layers 4 --hidden-size 256 --ffn-hidden-size 512 --num-attention-heads 4 --num-query-groups 2 "
          "--kv-channels 64 --rotary-base 1000000 --seq-length 4096 --vocab-size 4096").split()
@@ -40,14 +42,6 @@ LAUNCH_SCRIPT = ("--group-query-attention --max-position-embeddings 4096 --posit
 # in fp32), and it divides --train-iters by --eval-interval even without evaluation.
 MEGATRON_LM = LAUNCH_SCRIPT + "--accumulate-allreduce-grads-in-fp32 --eval-iters 0 --eval-interval 1000".split()
 STANDALONE = LAUNCH_SCRIPT
-
-
-def torchrun_command(nproc: int, module: str, argv: list) -> list:
-    """The command that starts ``module`` on ``nproc`` local ranks. ``--standalone``: the rendezvous
-    takes a port the kernel hands it, so that launches running at once on one machine (a second
-    benchmark, tools/test_gpu_parallel.sh's groups) do not meet on torchrun's default 29500."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", module,
-            *argv]
 
 
 def torchrun(nproc: int, module: str, argv: list, log_path: str) -> None:

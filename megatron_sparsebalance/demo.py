@@ -20,10 +20,11 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 
 import torch
+
+from megatron_sparsebalance.training.launch import torchrun_command
 
 
 REAL_MODEL = os.environ.get("MSB_REAL_MODEL", "/tmp/smollm2/mcore")
@@ -63,8 +64,7 @@ def run_args(on_gpu: bool, pp: int, iters: int, real: bool = False) -> list:
 
 
 def launch(nproc: int, argv: list, log_dir: str) -> list:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "megatron_sparsebalance.pretrain", *argv, "--log-dir", log_dir]
+    cmd = torchrun_command(nproc, "megatron_sparsebalance.pretrain", [*argv, "--log-dir", log_dir])
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     subprocess.run(cmd, check=True, env=env)
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from megatron_sparsebalance.training.launch import torchrun_command
+
 TINY = ["--model", "tiny", "--untie-embeddings-and-output-weights", "--mock-data", "--mock-length-distribution", "longtail",
         "--seq-length", "1024", "--mock-samples", "512", "--mock-vocab-size", "64", "--global-batch-size", "4",
         "--moba-block-size", "64", "--moba-topk", "4", "--sparse-attn-impl", "torch", "--lr", "3e-3", "--min-lr", "1e-4",
@@ -74,8 +76,7 @@ def run_pretrain(args, nproc=1):
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_sparsebalance.pretrain", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", "megatron_sparsebalance.pretrain", *args]
+        cmd = torchrun_command(nproc, "megatron_sparsebalance.pretrain", list(args))
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     return p.returncode, p.stderr
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
+from megatron_sparsebalance.training.launch import torchrun_command
 from megatron_sparsebalance.training.step import pipeline_layer_split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,11 +44,11 @@ def test_uneven_split_reaches_megatron_core():
 def test_e2e_smoke_run_and_merge(tmp_path):
     """Two gloo ranks, PP=2 with an uneven split: rows of the documented schema, then the merged file."""
     out = str(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "benchmarks.e2e",
-           "--layout", "pp2dp1", "--model", "tiny", "--num-layers", "3", "--last-stage-layers", "1",
-           "--seq-length", "1024", "--moba-block-size", "64", "--moba-topk", "4", "--dists", "bimodal",
-           "--configs", "baseline", "sab+dst", "all+order", "--prewarm", "baseline", "--iters", "2", "--global-batch-size", "8", "--out", out,
-           "--extra", "--untie-embeddings-and-output-weights", "--mock-vocab-size", "512"]
+    cmd = torchrun_command(2, "benchmarks.e2e", [
+        "--layout", "pp2dp1", "--model", "tiny", "--num-layers", "3", "--last-stage-layers", "1",
+        "--seq-length", "1024", "--moba-block-size", "64", "--moba-topk", "4", "--dists", "bimodal",
+        "--configs", "baseline", "sab+dst", "all+order", "--prewarm", "baseline", "--iters", "2", "--global-batch-size", "8", "--out", out,
+        "--extra", "--untie-embeddings-and-output-weights", "--mock-vocab-size", "512"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

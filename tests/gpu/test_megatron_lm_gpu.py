@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_sparsebalance.compat import HAVE_MEGATRON_TRAINING, MEGATRON_CORE
+from megatron_sparsebalance.training.launch import torchrun_command
 from megatron_sparsebalance.training.ports import free_port
 
 pytestmark = [
@@ -20,8 +21,6 @@ pytestmark = [
 def _entry(nproc: int, *argv: str) -> list:
     """The command that starts our Megatron-LM entry on ``nproc`` local ranks, on a rendezvous port of
     its own (torchrun_command)."""
-    from benchmarks.megatron_lm_plugin import torchrun_command
-
     return torchrun_command(nproc, "megatron_sparsebalance.megatron_lm", list(argv))
 
 
