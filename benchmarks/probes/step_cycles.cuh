@@ -1,6 +1,6 @@
-// The probes' timing of a step's arithmetic alone (fixed_point_convert.cu, bf16_pack_pipe.cu): one
-// CTA per SM runs `steps` steps and its thread 0 records the cycles of its loop, by clock64, so that
-// the power cap's clock does not enter.
+// The probes' timing of a step's arithmetic alone (fixed_point_convert.cu, bf16_pack_pipe.cu,
+// ex2_pair_rate.cu): one CTA per SM runs `steps` steps and its thread 0 records the cycles of its
+// loop, by clock64, so that the power cap's clock does not enter.
 #pragma once
 #include <algorithm>
 #include <vector>
