@@ -26,13 +26,7 @@
 constexpr int THREADS = 256, VALUES = 64;
 enum class Pack { none, cvt, alu };
 
-// hi to the upper half, lo to the lower, as cvt.rn.bf16x2.f32 d, hi, lo.
-__device__ __forceinline__ uint32_t pack_cvt(float hi, float lo) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
+// pack_bf16x2 (step_cycles.cuh) on the integer pipe: the same but at ties, rounded away from zero.
 __device__ __forceinline__ uint32_t pack_alu(float hi, float lo) {
   return __byte_perm(__float_as_uint(lo) + 0x8000u, __float_as_uint(hi) + 0x8000u, 0x7632);
 }
@@ -47,8 +41,8 @@ __global__ void check_kernel(unsigned long long* mismatches, unsigned long long*
     const float v = __uint_as_float(bits);
     if (isnan(v)) continue;
     const bool is_tie = (bits & 0xffffu) == 0x8000u;
-    const uint32_t a = pack_cvt(v, 1.5f), b = pack_alu(v, 1.5f);
-    const uint32_t c = pack_cvt(-0.75f, v), d = pack_alu(-0.75f, v);
+    const uint32_t a = pack_bf16x2(v, 1.5f), b = pack_alu(v, 1.5f);
+    const uint32_t c = pack_bf16x2(-0.75f, v), d = pack_alu(-0.75f, v);
     if (is_tie) tie += (a != b) + (c != d);
     else bad += (a != b) + (c != d);
   }
@@ -76,7 +70,7 @@ __global__ void __launch_bounds__(THREADS, 1) step_kernel(int steps, float a, fl
       for (int j = 0; j < PAIRS; ++j) {
         const int i = 2 * j % VALUES;
         const float hi = j < VALUES / 2 ? s[i] : s[i] - b, lo = j < VALUES / 2 ? s[i + 1] : s[i + 1] - b;
-        sums[j % 4] ^= P == Pack::cvt ? pack_cvt(hi, lo) : pack_alu(hi, lo);
+        sums[j % 4] ^= P == Pack::cvt ? pack_bf16x2(hi, lo) : pack_alu(hi, lo);
       }
     }
   }

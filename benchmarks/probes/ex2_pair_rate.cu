@@ -44,16 +44,10 @@ __device__ __forceinline__ uint32_t ex2_bf16x2(uint32_t x) {
   return r;
 }
 
-// hi to the upper half, lo to the lower, rounded to nearest.
+// As pack_bf16x2 (step_cycles.cuh), to f16x2.
 __device__ __forceinline__ uint32_t pack_f16x2(float hi, float lo) {
   uint32_t r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float hi, float lo) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
 
@@ -90,7 +84,8 @@ __global__ void __launch_bounds__(THREADS, 1) step_kernel(int steps, float a, fl
   for (int i = 0; i < VALUES; ++i) s[i] = -2.f + 1e-3f * ((threadIdx.x + i) % 7);
   uint32_t h[VALUES / 2];  // the pairs, for the forms that keep them packed
 #pragma unroll
-  for (int j = 0; j < VALUES / 2; ++j) h[j] = FORM == Form::bf16x2_alone ? pack_bf16x2(s[2 * j + 1], s[2 * j]) : pack_f16x2(s[2 * j + 1], s[2 * j]);
+  for (int j = 0; j < VALUES / 2; ++j)
+    h[j] = FORM == Form::bf16x2_alone ? pack_bf16x2(s[2 * j + 1], s[2 * j]) : pack_f16x2(s[2 * j + 1], s[2 * j]);
   const __half2 a16 = __float2half2_rn(a), b16 = __float2half2_rn(b);
   const __nv_bfloat162 a_bf = __float2bfloat162_rn(a), b_bf = __float2bfloat162_rn(b);
   __syncthreads();

@@ -1,8 +1,10 @@
 // The probes' timing of a step's arithmetic alone (fixed_point_convert.cu, bf16_pack_pipe.cu,
-// ex2_pair_rate.cu): one CTA per SM runs `steps` steps and its thread 0 records the cycles of its
-// loop, by clock64, so that the power cap's clock does not enter.
+// ex2_pair_rate.cu), and the step's instructions as our kernels issue them: one CTA per SM runs
+// `steps` steps and its thread 0 records the cycles of its loop, by clock64, so that the power
+// cap's clock does not enter.
 #pragma once
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 #include <cuda_runtime.h>
 
@@ -12,6 +14,14 @@
 __device__ __forceinline__ float ex2_approx(float x) {
   float r;
   asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// Two floats packed to bf16x2 as our kernels pack P and dS (one F2FP): hi to the upper half, lo to
+// the lower, rounded to nearest.
+__device__ __forceinline__ uint32_t pack_bf16x2(float hi, float lo) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
 
