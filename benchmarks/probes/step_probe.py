@@ -7,6 +7,7 @@ runs of two builds on one machine (FA4's row is the clock reference between them
     python3 -m benchmarks.probes.step_probe --profile [ROUNDS]
     python3 -m benchmarks.probes.step_probe --clocks
     python3 -m benchmarks.probes.step_probe --energy
+    python3 -m benchmarks.probes.step_probe --forward-energy
 
 ``--once``: one forward and three two-pass backwards of one case and nothing else, for a profiler
 (``benchmarks/probes/ncu_source.sh`` profiles a kernel's third launch); with ``ds``, three
@@ -20,7 +21,9 @@ board's power and the clock event reasons that ``nvidia-smi`` samples meanwhile:
 step's time depends on the clock it holds, and why the clock moves. ``--energy``: at the eight
 cases, each step run in a row for a few seconds, twice, after a rest: the energy a call takes
 (NVML's energy counter, and the sampled power over the same seconds) and the clock it ran at;
-under the board's power cap a step's time follows the energy it spends."""
+under the board's power cap a step's time follows the energy it spends. ``--forward-energy``: the same
+for our forward alone, then our step, then the forward again, at the two 64K 25% cases: the clock
+the forward holds in a row, against Nsight Compute's fixed one (``ncu_source.sh``)."""
 import collections
 import ctypes
 import datetime
@@ -230,29 +233,53 @@ class EnergyCounter:
         return millijoules.value / 1e3
 
 
+def in_a_row(fn, label: str, meter: EnergyCounter, sampler: ClockSampler, seconds: float) -> float:
+    """fn called back to back for `seconds` after a 2 s rest (every block starts from the same
+    rest), as :func:`benchmarks.attention.cuda_times` times it (a synchronisation after each call,
+    so a call's energy includes its share of the host's gaps between calls); prints the block and
+    returns the energy a call (J)."""
+    time.sleep(2)
+    torch.cuda.synchronize()
+    e0, t0, times = meter.joules(), time.time(), []
+    while time.time() - t0 < seconds:
+        times += cuda_times(fn, 1, 0)
+    e1, t1 = meter.joules(), time.time()
+    print("%s %3d calls in a row: median %.2f ms, %.3f J a call (%.0f W by the counter); %s"
+          % (label, len(times), statistics.median(times), (e1 - e0) / len(times), (e1 - e0) / (t1 - t0),
+             sampler.between(t0, t1)), flush=True)
+    return (e1 - e0) / len(times)
+
+
 def energy(seconds: float = 2.5):
-    """The ``--energy`` run (see the module's docstring). Each block's calls run one after the other
-    as :func:`benchmarks.attention.cuda_times` times them (a synchronisation after each), so a
-    call's energy includes its share of the host's gaps between calls."""
+    """The ``--energy`` run (see the module's docstring)."""
     sampler, meter = ClockSampler(), EnergyCounter()
     try:
         for shape, S, density, q, k, v, route, _ in routed_cases():
             steps = warm_steps_beside_fa4(q, k, v, route, "--energy")
             per_call = {impl: [] for impl in steps}
             for impl in ("cuda", "fa4", "fa4", "cuda"):
-                time.sleep(2)  # every block starts from the same rest
-                torch.cuda.synchronize()
-                e0, t0, times = meter.joules(), time.time(), []
-                while time.time() - t0 < seconds:
-                    times += cuda_times(steps[impl], 1, 0)
-                e1, t1 = meter.joules(), time.time()
-                per_call[impl].append((e1 - e0) / len(times))
-                print("%s %d %.2f %-4s %3d calls in a row: median %.2f ms, %.3f J a call (%.0f W by the counter); %s"
-                      % (shape, S, density, impl, len(times), statistics.median(times), per_call[impl][-1],
-                         (e1 - e0) / (t1 - t0), sampler.between(t0, t1)), flush=True)
+                label = "%s %d %.2f %-4s" % (shape, S, density, impl)
+                per_call[impl].append(in_a_row(steps[impl], label, meter, sampler, seconds))
             ours, fa4 = (statistics.mean(per_call[impl]) for impl in ("cuda", "fa4"))
             print("%s %d %.2f energy a call: ours %.3f J, FA4 %.3f J, FA4 / ours %.3f"
                   % (shape, S, density, ours, fa4, fa4 / ours), flush=True)
+    finally:  # nvidia-smi would outlive a case that fails
+        sampler.stop()
+
+
+def forward_energy(seconds: float = 2.5):
+    """The ``--forward-energy`` run (see the module's docstring)."""
+    sampler, meter = ClockSampler(), EnergyCounter()
+    try:
+        for shape, S, density, q, k, v, route, _ in routed_cases():
+            if (S, density) != (65536, 0.25):
+                continue
+            go = torch.randn_like(q)
+            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+            forward, step = run_case("cuda", *inputs, go, route, S, q.shape[1], None, None)
+            cuda_times(step, 2, 1)  # the first calls set up what later ones reuse
+            for name, fn in (("forward", forward), ("step", step), ("forward", forward)):
+                in_a_row(fn, "%s %d %.2f %-7s" % (shape, S, density, name), meter, sampler, seconds)
     finally:  # nvidia-smi would outlive a case that fails
         sampler.stop()
 
@@ -279,6 +306,9 @@ def main():
         return
     if sys.argv[1:2] == ["--energy"]:
         energy()
+        return
+    if sys.argv[1:2] == ["--forward-energy"]:
+        forward_energy()
         return
     if sys.argv[1:2] == ["--profile"]:
         profile_cases(rounds_from_argv(2))
